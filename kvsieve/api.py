@@ -1,0 +1,153 @@
+"""The user-facing API: build an evicting cache for a model, and generate with one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.engine.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register
+from kvsieve.engine.budget import Budget, check_budget, resolve_budget
+from kvsieve.engine.cache import PolicyPlan, SieveCache
+from kvsieve.policies import NoParams, Policy, get_policy
+from kvsieve.policies.local import Local
+
+
+def use_kvsieve_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to the ``"kvsieve"`` attention implementation (which is plain sdpa for other caches)."""
+    register()
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot switch to a custom attention implementation (it does not use "
+            "transformers' AttentionInterface), so kvsieve cannot see its attention"
+        )
+
+
+def _layer_types(model: PreTrainedModel) -> list[str]:
+    config = model.config.get_text_config()
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model; kvsieve needs a decoder-only LM"
+        )
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n_layers, int) or n_layers <= 0:
+        raise UnsupportedModelError(f"{type(model).__name__}: its config has no num_hidden_layers")
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+    unsupported = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has layer types {unsupported}; kvsieve supports full and sliding-window attention"
+        )
+    return types
+
+
+def make_cache(
+    model: PreTrainedModel,
+    policy: str | type[Policy] = "h2o",
+    budget: Budget | None = 0.2,
+    **policy_kwargs: Any,
+) -> SieveCache:
+    """An evicting cache for ``model``: use it as ``past_key_values`` in ``generate`` or a forward loop.
+
+    ``budget``: tokens (int) or a ratio of the prompt length (float in (0, 1]); ignored by ``full``.
+    ``policy_kwargs``: the policy's parameters (see ``kvsieve policies``). Sliding-window layers (e.g. Gemma 3's
+    local layers) keep their own window; the policy and budget apply to the global layers. Switches the model to
+    the ``"kvsieve"`` attention implementation.
+    """
+    cls = get_policy(policy)
+    params = cls.make_params(**policy_kwargs)
+    types = _layer_types(model)
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    if "sliding_attention" in types and not window:
+        raise UnsupportedModelError(f"{type(model).__name__} has sliding layers but no sliding_window in its config")
+    layers = [(cls, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
+    plan = PolicyPlan(layers, budget if cls.bounded else None)
+    use_kvsieve_attention(model)
+    return SieveCache(plan, [t == "sliding_attention" for t in types])
+
+
+@dataclass
+class Generation:
+    """Result of :func:`generate`."""
+
+    texts: list[str]
+    """Generated continuations (prompt excluded), one per prompt."""
+    prompt_tokens: list[int]
+    generated_tokens: list[int]
+    budget_tokens: int | None
+    cache: SieveCache = field(repr=False)
+
+    @property
+    def text(self) -> str:
+        """The continuation of the first (or only) prompt."""
+        return self.texts[0]
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: str | list[str],
+    policy: str | type[Policy] = "h2o",
+    budget: Budget | None = 0.2,
+    max_new_tokens: int = 64,
+    policy_kwargs: dict[str, Any] | None = None,
+    **generate_kwargs: Any,
+) -> Generation:
+    """Generate from one prompt or a batch (left-padded) with the KV cache held to ``budget``.
+
+    A ratio budget is a share of the padded prompt length. Greedy decoding unless ``generate_kwargs`` say
+    otherwise (e.g. ``do_sample=True``).
+    """
+    batch = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not batch or any(not isinstance(p, str) or not p for p in batch):
+        raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if budget is not None:
+        check_budget(budget)
+    enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(model.device)
+    cache = make_cache(model, policy, budget, **(policy_kwargs or {}))
+    if isinstance(budget, float) and cache.plan.budget is not None:
+        # Resolve now against the padded prompt, so invalid splits fail before any work.
+        cache.plan.resolve(enc["input_ids"].shape[1])
+    generate_kwargs.setdefault("do_sample", False)
+    if tokenizer.pad_token_id is not None:
+        generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    with torch.inference_mode():
+        out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
+    new = out[:, enc["input_ids"].shape[1] :]
+    eos = _eos_ids(model, tokenizer)
+    lengths = [_length_until_eos(row, eos) for row in new.tolist()]
+    return Generation(
+        texts=[
+            tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new.tolist(), lengths, strict=True)
+        ],
+        prompt_tokens=enc["attention_mask"].sum(-1).tolist(),
+        generated_tokens=lengths,
+        budget_tokens=cache.budget_tokens,
+        cache=cache,
+    )
+
+
+def budget_tokens_for(budget: Budget | None, length: int) -> int | None:
+    """Tokens a budget allows for a sequence of ``length`` tokens (None = unbounded)."""
+    return None if budget is None else resolve_budget(budget, length)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+
+
+def _length_until_eos(row: list[int], eos: set[int]) -> int:
+    """Generated tokens up to and including the first EOS (padding after it is not counted)."""
+    for i, tok in enumerate(row):
+        if tok in eos:
+            return i + 1
+    return len(row)

@@ -1,0 +1,1 @@
+"""The engine: evicting cache layers, the attention hook and budgets."""

@@ -1,0 +1,201 @@
+"""The ``kvsieve`` attention implementation, plugged in through transformers' public interfaces.
+
+- ``AttentionMaskInterface``: :func:`sieve_mask` keeps the 2-D padding mask (which tokens of the batch are real)
+  instead of building a dense ``[q, kv]`` mask; the dense sdpa mask is only built, lazily, when the attention runs
+  over an ordinary transformers cache.
+- ``AttentionInterface``: :func:`sieve_attention`. Transformers calls ``cache.update(k, v, layer_idx)`` right
+  before the attention of that layer but does not pass the cache to the attention function, so an evicting cache
+  layer *hands over* itself and the key tensor it returned (:func:`hand_over`). The attention function takes the
+  hand-over only if it receives that very key tensor, and then lets the layer run the step
+  (:meth:`kvsieve.engine.cache.SieveLayer.attend`): masked attention over the kept slots, the policy's view of
+  the probabilities, and eviction. Without a hand-over (e.g. a ``DynamicCache``) it is transformers' sdpa.
+
+:func:`slot_attention` is the attention over slots itself: keys carry their original positions, so causality,
+padding and sliding windows are all ``key_pos <= query_pos`` comparisons, per (batch row, KV head).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ATTN_IMPLEMENTATION = "kvsieve"
+
+# Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
+# memory grows with rows·N, never q·N for long prompts.
+BLOCK_ELEMENTS = 1 << 25
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model does not route its attention through the transformers interfaces kvsieve relies on."""
+
+
+@dataclass(eq=False)
+class SieveMask:
+    """What :func:`sieve_mask` returns: the padding mask, plus the dense sdpa mask on demand."""
+
+    padding: torch.Tensor | None
+    """``[B, seen + q]`` bool (True = real token), or None when every token is real."""
+    dense_kwargs: dict[str, Any] = field(repr=False)
+
+    def new_tokens(self, q: int) -> torch.Tensor | None:
+        """``[B, q]`` validity of the step's ``q`` new tokens (None = all real)."""
+        return None if self.padding is None else self.padding[:, -q:]
+
+    @cached_property
+    def dense(self) -> torch.Tensor | None:
+        """The mask transformers' sdpa attention would get (for caches that are not kvsieve's)."""
+        return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.dense_kwargs)
+
+
+def sieve_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> SieveMask:
+    """Mask function registered under ``"kvsieve"`` (same signature as transformers' mask functions)."""
+    padding = attention_mask
+    if padding is not None:
+        padding = padding.to(torch.bool)
+        if bool(padding.all()):
+            padding = None
+    return SieveMask(padding=padding, dense_kwargs={"attention_mask": attention_mask, **kwargs})
+
+
+class _HandOver(threading.local):
+    layer: Any = None
+    keys: torch.Tensor | None = None
+
+
+_HAND_OVER = _HandOver()
+
+
+def hand_over(layer: Any, keys: torch.Tensor) -> None:
+    """Called by an evicting cache layer's ``update``: the next attention call over ``keys`` belongs to it."""
+    _HAND_OVER.layer, _HAND_OVER.keys = layer, keys
+
+
+def _take_hand_over(keys: torch.Tensor) -> Any:
+    layer, expected = _HAND_OVER.layer, _HAND_OVER.keys
+    _HAND_OVER.layer = _HAND_OVER.keys = None
+    if layer is None:
+        return None
+    if keys is not expected:
+        raise UnsupportedModelError(
+            f"the attention of layer {layer.layer_idx} did not receive the keys its kvsieve cache layer returned "
+            "(the model transforms cached keys between cache.update() and attention); this architecture is not "
+            "supported by kvsieve"
+        )
+    return layer
+
+
+def sieve_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: SieveMask | torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention function registered under ``"kvsieve"`` (transformers' attention-interface signature)."""
+    layer = _take_hand_over(key)
+    if layer is None:
+        dense = attention_mask.dense if isinstance(attention_mask, SieveMask) else attention_mask
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module,
+            query,
+            key,
+            value,
+            dense,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    if attention_mask is not None and not isinstance(attention_mask, SieveMask):
+        raise ValueError(
+            "kvsieve caches take a 2-D attention_mask (batch, tokens) or none; a prepared 4-D mask cannot be "
+            "applied to evicted slots"
+        )
+    padding = None if attention_mask is None else attention_mask.new_tokens(query.shape[-2])
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = layer.attend(query, key, value, padding=padding, scaling=scale, window=sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the ``"kvsieve"`` attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, sieve_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sieve_mask)
+
+
+def _allowed(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[B, H, b, N]``: which slots each query may attend to (causal by position, no empty slots, window).
+
+    Padding queries (position -1) may attend to everything: their outputs are never used, and a fully masked row
+    would produce NaN.
+    """
+    kp = key_pos[:, :, None, :]
+    qp = query_pos[:, None, :, None]
+    allowed = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        allowed &= kp > qp - window
+    return allowed | (qp < 0)
+
+
+def slot_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
+
+    ``key_pos`` ``[B, Hkv, N]`` and ``query_pos`` ``[B, q]`` are original positions (-1 = empty/padding). When
+    ``observe`` is given, the fp32 probabilities are computed explicitly, summed over each GQA group, zeroed on
+    padding queries, and passed as ``observe(probs [B, Hkv, rows, N], query_pos [B, rows])`` block by block;
+    otherwise torch's fused ``scaled_dot_product_attention`` runs and no probabilities exist.
+    Returns ``[B, Hq, q, D]``.
+    """
+    bsz, n_q_heads, q_len, head_dim = query.shape
+    n_kv_heads, n_slots = key.shape[1], key.shape[2]
+    group = n_q_heads // n_kv_heads
+    rows = max(1, BLOCK_ELEMENTS // max(1, bsz * n_q_heads * n_slots))
+    # With one head layout (one KV head, or every head holding the same tokens in the same slots, as after a
+    # fresh prompt), the sdpa mask broadcasts over heads instead of being copied per query head.
+    shared_layout = q_len > 1 and (n_kv_heads == 1 or bool((key_pos == key_pos[:, :1]).all()))
+    outputs = []
+    for start in range(0, q_len, rows):
+        q_blk = query[:, :, start : start + rows]
+        qp = query_pos[:, start : start + rows]
+        b = q_blk.shape[2]
+        allowed = _allowed(key_pos, qp, window)
+        if observe is not None:
+            logits = torch.matmul(q_blk.reshape(bsz, n_kv_heads, group * b, head_dim), key.transpose(-1, -2))
+            logits = logits.float().mul_(scaling).view(bsz, n_kv_heads, group, b, n_slots)
+            probs = logits.masked_fill_(~allowed[:, :, None], float("-inf")).softmax(dim=-1)
+            out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, n_slots).to(value.dtype), value)
+            out = out.view(bsz, n_q_heads, b, -1)
+            observe(probs.sum(dim=2).mul_((qp >= 0)[:, None, :, None]), qp)
+        elif b == 1:
+            # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
+            q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)
+            out = F.scaled_dot_product_attention(q_fold, key, value, attn_mask=allowed, scale=scaling)
+            out = out.reshape(bsz, n_q_heads, 1, -1)
+        else:
+            mask = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q_blk, key, value, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+        outputs.append(out)
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

@@ -1,0 +1,325 @@
+"""A transformers ``Cache`` whose layers physically hold at most a budget of tokens.
+
+Storage per layer: keys/values ``[batch, kv_heads, capacity, head_dim]``; the first ``n`` slots are in use. The
+slot count is shared by the layer, but every (batch row, KV head) keeps its own token set: slot ``s`` of row
+``b`` and head ``h`` holds the token at original position ``pos[b, h, s]`` (-1 = empty or padding). Per-slot
+policy state lives beside the keys and moves with them.
+
+A step (one forward pass of ``q`` tokens through a layer) is:
+
+1. ``update`` writes the new K/V into slots ``n .. n+q`` (growing the buffers if needed) and returns the views
+   ``[:, :, :n+q]``, handing itself over to the attention function;
+2. ``attend`` (called by the attention function) assigns the new tokens' positions from the padding mask, runs
+   masked attention over the slots, lets the policy observe the probabilities, and evicts down to the policy's
+   ``n_keep``: one victim is overwritten by the last slot (decode: no copy of the cache), several are removed by
+   one gather into buffers of ``budget + 1`` slots, which frees the prompt-sized ones.
+
+Between steps a bounded layer holds at most ``budget`` tokens in ``budget + 1`` allocated slots (the spare slot
+receives the next decode token). ``get_seq_length()`` is the number of tokens seen, so RoPE positions stay true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvsieve.engine.attention import UnsupportedModelError, hand_over, slot_attention
+from kvsieve.engine.budget import Budget, check_budget, resolve_budget
+from kvsieve.policies import Policy, Slots
+
+GROWTH = 64  # minimum slots added when a buffer grows
+
+
+class PolicyPlan:
+    """Builds each layer's policy instance, resolving a ratio budget against the prompt length once.
+
+    ``layer_policies[i]`` is the policy class of layer ``i`` with its params and, for layers with their own fixed
+    size (sliding-window layers), the budget they always use.
+    """
+
+    def __init__(self, layer_policies: Sequence[tuple[type[Policy], Any, int | None]], budget: Budget | None) -> None:
+        self.layer_policies = list(layer_policies)
+        self.budget = None if budget is None else check_budget(budget)
+        self.budget_tokens: int | None = None
+        self._policies: list[Policy] | None = None
+        if self.budget is None or isinstance(self.budget, int):
+            self.resolve(0)
+
+    def resolve(self, prompt_len: int) -> list[Policy]:
+        """The policies of all layers (built on first call; every layer is validated before any is used)."""
+        if self._policies is None:
+            tokens = None if self.budget is None else resolve_budget(self.budget, prompt_len)
+            self._policies = [
+                cls(tokens if fixed is None else fixed, params) for cls, params, fixed in self.layer_policies
+            ]
+            self.budget_tokens = tokens
+        return self._policies
+
+    def reset(self) -> None:
+        """Forget a ratio budget's resolution (the next prompt resolves it again)."""
+        if isinstance(self.budget, float):
+            self._policies = None
+            self.budget_tokens = None
+
+
+def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:
+    out = t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:]))
+    out[:, :, :n] = t[:, :, :n]
+    return out
+
+
+def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tensor:
+    out = t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:]))
+    idx = index.view(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+    out[:, :, : index.shape[2]] = t.gather(2, idx)
+    return out
+
+
+def _move_slot(t: torch.Tensor, src: int, dst: torch.Tensor) -> None:
+    """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h]``."""
+    idx = dst.view(*dst.shape, 1, *([1] * (t.dim() - 3))).expand(*dst.shape, 1, *t.shape[3:])
+    t.scatter_(2, idx, t[:, :, src : src + 1])
+
+
+class SieveLayer(CacheLayerMixin):
+    """One layer of a :class:`SieveCache` (see the module docstring)."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False  # the policy (and its state) is known only at the first update
+
+    def __init__(self, plan: PolicyPlan, layer_idx: int, is_sliding: bool = False) -> None:
+        super().__init__()
+        self.plan = plan
+        self.layer_idx = layer_idx
+        self.is_sliding = is_sliding
+        self.policy: Policy | None = None
+        self.pos: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.real_seen: torch.Tensor | None = None
+        self.n = 0
+        self.seen = 0
+        self.pending: int | None = None
+
+    # -- transformers' layer contract ---------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        bsz, heads = key_states.shape[:2]
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty((bsz, heads, 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((bsz, heads, 0, value_states.shape[-1]))
+        self.pos = torch.empty((bsz, heads, 0), dtype=torch.long, device=self.device)
+        self.state = {
+            name: torch.zeros((bsz, heads, 0, *extra), dtype=dtype, device=self.device)
+            for name, (extra, dtype) in self.policy.state_spec().items()
+        }
+        self.real_seen = torch.zeros(bsz, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pending is not None:
+            raise UnsupportedModelError(
+                f"layer {self.layer_idx}: the attention of the previous forward step never ran through the kvsieve "
+                "attention (load the model with kvsieve.load_model or use kvsieve.make_cache, which sets "
+                "attn_implementation='kvsieve'); if a forward pass was interrupted, call cache.reset()"
+            )
+        q = key_states.shape[-2]
+        if self.policy is None:
+            self.policy = self.plan.resolve(q)[self.layer_idx]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"batch size changed from {self.keys.shape[0]} to {key_states.shape[0]}; use a new cache or reset()"
+            )
+        n, total = self.n, self.n + q
+        self._reserve(total)
+        self.keys[:, :, n:total] = key_states
+        self.values[:, :, n:total] = value_states
+        self.pos[:, :, n:total] = -1
+        for t in self.state.values():
+            t[:, :, n:total] = 0
+        self.seen += q
+        self.pending = q
+        keys, values = self.keys[:, :, :total], self.values[:, :, :total]
+        hand_over(self, keys)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (not tokens kept): positions are derived from it."""
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.pos = self.real_seen = None
+        self.state = {}
+        self.n = self.seen = 0
+        self.pending = None
+        self.policy = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    # -- the step -----------------------------------------------------------------------------------------------
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        padding: torch.Tensor | None,
+        scaling: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Run the pending step: attention over the slots (``[B, Hq, q, D]`` out), observation, eviction."""
+        q, self.pending = self.pending, None
+        start, total = self.n, self.n + q
+        if padding is None:
+            query_pos = self.real_seen[:, None] + torch.arange(q, device=self.device)
+            self.real_seen += q
+        else:
+            padding = padding.to(self.device)
+            query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
+            self.real_seen += padding.sum(-1)
+        self.pos[:, :, start:total] = query_pos[:, None, :]
+        self.n = total
+        observe = partial(self.policy.observe, self.slots()) if self.policy.needs_attention else None
+        out = slot_attention(query, key, value, self.pos[:, :, :total], query_pos, scaling, window, observe)
+        self._evict()
+        return out
+
+    def slots(self) -> Slots:
+        """The policy's view of the slots in use."""
+        n = self.n
+        return Slots(
+            pos=self.pos[:, :, :n],
+            state={k: v[:, :, :n] for k, v in self.state.items()},
+            last=self.real_seen - 1,
+        )
+
+    def _evict(self) -> None:
+        target = self.policy.n_keep(self.n)
+        if target >= self.n:
+            return
+        slots = self.slots()
+        scores = self.policy.keep_scores(slots).masked_fill(slots.pos < 0, float("-inf"))
+        if self.n - target == 1:
+            victim = scores.argmin(dim=-1)
+            for t in self._slot_tensors():
+                _move_slot(t, self.n - 1, victim)
+        else:
+            keep = scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
+            capacity = self._limit()
+            self._map_slots(lambda t: _gathered(t, keep, capacity))
+        self.n = target
+
+    # -- storage ------------------------------------------------------------------------------------------------
+
+    def _limit(self) -> int | float:
+        """Most slots kept allocated between steps."""
+        budget = self.policy.budget
+        return float("inf") if budget is None else budget + 1
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self.keys.shape[2]
+        if needed > capacity:
+            grown = max(needed, min(needed + max(GROWTH, needed // 4), self._limit()))
+            self._map_slots(lambda t: _resized(t, int(grown), self.n))
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.pos, *self.state.values()]
+
+    def _map_slots(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.keys, self.values, self.pos = fn(self.keys), fn(self.values), fn(self.pos)
+        self.state = {name: fn(t) for name, t in self.state.items()}
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.is_initialized:
+            self._map_slots(fn)
+            self.real_seen = fn(self.real_seen)
+
+    # -- introspection ------------------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Allocated slots."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def kv_nbytes(self) -> int:
+        """Bytes allocated for keys and values."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def state_nbytes(self) -> int:
+        """Bytes allocated for positions and policy state."""
+        if self.pos is None:
+            return 0
+        return self.pos.nbytes + self.real_seen.nbytes + sum(t.nbytes for t in self.state.values())
+
+
+class SieveCache(Cache):
+    """A cache of :class:`SieveLayer` s. Build it with :func:`kvsieve.make_cache`."""
+
+    layers: list[SieveLayer]
+
+    def __init__(self, plan: PolicyPlan, sliding: Sequence[bool]) -> None:
+        super().__init__(layers=[SieveLayer(plan, i, s) for i, s in enumerate(sliding)])
+        self.plan = plan
+
+    @property
+    def budget_tokens(self) -> int | None:
+        """The resolved budget in tokens (None before a ratio budget meets its prompt, or when unbounded)."""
+        return self.plan.budget_tokens
+
+    @property
+    def policy_name(self) -> str:
+        return self.plan.layer_policies[-1][0].name
+
+    def reset(self) -> None:
+        super().reset()
+        self.plan.reset()
+
+    def positions(self, layer_idx: int) -> torch.Tensor:
+        """``[batch, kv_heads, slots]`` original positions of the tokens held by ``layer_idx`` (-1 = empty)."""
+        layer = self.layers[layer_idx]
+        if layer.pos is None:
+            raise ValueError(f"layer {layer_idx} holds nothing yet")
+        return layer.pos[:, :, : layer.n].clone()
+
+    def slot_counts(self) -> list[int]:
+        """Slots in use per layer."""
+        return [layer.n for layer in self.layers]
+
+    def capacities(self) -> list[int]:
+        """Slots allocated per layer."""
+        return [layer.capacity for layer in self.layers]
+
+    def kv_nbytes(self) -> int:
+        """Bytes held by keys and values (allocated buffers)."""
+        return sum(layer.kv_nbytes() for layer in self.layers)
+
+    def state_nbytes(self) -> int:
+        """Bytes held by positions and policy state."""
+        return sum(layer.state_nbytes() for layer in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes held by K/V and policy state together."""
+        return self.kv_nbytes() + self.state_nbytes()

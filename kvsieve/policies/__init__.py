@@ -1,0 +1,32 @@
+"""Eviction policies, one file each, registered by name."""
+
+from __future__ import annotations
+
+from kvsieve.policies.base import NoParams, Policy, Slots
+from kvsieve.policies.full import Full
+from kvsieve.policies.h2o import H2O
+from kvsieve.policies.local import Local
+from kvsieve.policies.streaming_llm import StreamingLLM
+
+REGISTRY: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        Full,
+        Local,
+        StreamingLLM,
+        H2O,
+    )
+}
+
+
+def get_policy(name: str | type[Policy]) -> type[Policy]:
+    """The policy class registered under ``name`` (a class is returned as is)."""
+    if isinstance(name, type) and issubclass(name, Policy):
+        return name
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(REGISTRY)}") from None
+
+
+__all__ = ["REGISTRY", "NoParams", "Policy", "Slots", "get_policy"]

@@ -1,0 +1,115 @@
+"""The contract every eviction policy implements.
+
+A policy decides, independently for every (batch row, KV head) of one layer, which cached tokens to keep. The
+engine owns the storage (slots) and calls the policy at each forward step of that layer:
+
+1. ``observe(slots, probs, query_pos)`` — only for policies with ``needs_attention = True``: the fp32 attention
+   probabilities of the step's queries over all slots (the query heads of a GQA group summed), possibly in
+   several blocks of query rows. Policies accumulate whatever statistics they need into their per-slot state.
+2. ``n_keep(n)`` — how many slots to keep after the step, given ``n`` slots now (``n`` includes the new tokens).
+3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot; the engine keeps the ``n_keep`` highest
+   (``+inf`` = protected). Empty and padding slots are never kept in place of real tokens.
+
+Per-slot state is declared by ``state_spec`` and stored by the engine next to the keys (slot dimension 2), so it
+moves with its token when slots are evicted, compacted or reordered. New slots start at zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """A policy without parameters."""
+
+
+@dataclass
+class Slots:
+    """What a policy sees of one layer: ``N`` slots per (batch row, KV head)."""
+
+    pos: torch.Tensor
+    """``[B, H, N]`` original position of each slot's token (index among the row's real tokens); -1 = empty."""
+    state: dict[str, torch.Tensor]
+    """The policy's per-slot state, ``[B, H, N, ...]`` each."""
+    last: torch.Tensor
+    """``[B]`` position of each row's newest token."""
+
+    @property
+    def age(self) -> torch.Tensor:
+        """``[B, H, N]`` tokens since each slot's token (0 = newest); empty slots get a huge age."""
+        age = self.last[:, None, None] - self.pos
+        return age.masked_fill(self.pos < 0, torch.iinfo(age.dtype).max)
+
+
+class Policy:
+    """Base class: keeps the most recent tokens (the ``local`` rule); subclasses refine it.
+
+    Subclasses set ``name``, ``paper``, ``Params`` (a dataclass of their parameters) and override what they need.
+    One instance serves one cache layer and knows that layer's ``budget`` (``None`` = unbounded).
+    """
+
+    name: ClassVar[str]
+    paper: ClassVar[str] = ""
+    needs_attention: ClassVar[bool] = False
+    """Whether the policy needs the attention probabilities (policies that do not never pay for computing them)."""
+    bounded: ClassVar[bool] = True
+    """Whether the policy enforces a budget (``full`` does not)."""
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, budget: int | None, params: Any = None) -> None:
+        self.params = self.Params() if params is None else params
+        if not isinstance(self.params, self.Params):
+            raise TypeError(f"{self.name}: params must be a {self.Params.__name__}, got {type(self.params).__name__}")
+        if self.bounded and (budget is None or budget <= 0):
+            raise ValueError(f"{self.name}: budget must be a positive number of tokens, got {budget}")
+        self.budget = budget if self.bounded else None
+        self.setup()
+
+    def setup(self) -> None:
+        """Validate the parameters against the budget and derive the budget split (raise ValueError)."""
+
+    @classmethod
+    def make_params(cls, **kwargs: Any) -> Any:
+        """Build ``Params`` from keyword arguments, naming unknown ones in a ``ValueError``."""
+        names = {f.name for f in dataclasses.fields(cls.Params)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            allowed = ", ".join(sorted(names)) or "none"
+            raise ValueError(f"policy {cls.name!r} has no parameter(s) {', '.join(unknown)} (parameters: {allowed})")
+        return cls.Params(**kwargs)
+
+    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-slot state: name → (extra trailing dims, dtype)."""
+        return {}
+
+    def observe(self, slots: Slots, probs: torch.Tensor, query_pos: torch.Tensor) -> None:
+        """Accumulate statistics from ``probs`` ``[B, H, q, N]`` (fp32) of queries at ``query_pos`` ``[B, q]``
+        (-1 = padding query, whose row is all zeros)."""
+
+    def n_keep(self, n: int) -> int:
+        """Slots to keep after a step that left ``n`` slots."""
+        return n if self.budget is None else min(n, self.budget)
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        """``[B, H, N]`` priority of each slot (higher = kept). Default: recency."""
+        return slots.pos.to(torch.float32)
+
+    def describe(self) -> dict[str, Any]:
+        """Name, paper, parameters with their values, and whether attention probabilities are needed."""
+        return {
+            "name": self.name,
+            "paper": self.paper,
+            "needs_attention": self.needs_attention,
+            "budget": self.budget,
+            "params": dataclasses.asdict(self.params),
+        }
+
+
+def recent_mask(slots: Slots, recent: int) -> torch.Tensor:
+    """``[B, H, N]`` True for the ``recent`` newest real tokens of each row."""
+    return slots.age < recent
