@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvsieve.policies.base import Observation
+
 ATTN_IMPLEMENTATION = "kvsieve"
 
 # Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
@@ -159,15 +161,14 @@ def slot_attention(
     query_pos: torch.Tensor,
     scaling: float,
     window: int | None = None,
-    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    observe: Callable[[Observation], None] | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
 
     ``key_pos`` ``[B, Hkv, N]`` and ``query_pos`` ``[B, q]`` are original positions (-1 = empty/padding). When
-    ``observe`` is given, the fp32 probabilities are computed explicitly, summed over each GQA group, zeroed on
-    padding queries, and passed as ``observe(probs [B, Hkv, rows, N], query_pos [B, rows])`` block by block;
-    otherwise torch's fused ``scaled_dot_product_attention`` runs and no probabilities exist.
-    Returns ``[B, Hq, q, D]``.
+    ``observe`` is given, the logits and fp32 probabilities are computed explicitly and passed block by block as an
+    :class:`~kvsieve.policies.base.Observation`; otherwise torch's fused ``scaled_dot_product_attention`` runs
+    and no probabilities exist. Returns ``[B, Hq, q, D]``.
     """
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = key.shape[1], key.shape[2]
@@ -188,7 +189,8 @@ def slot_attention(
             probs = logits.masked_fill_(~allowed[:, :, None], float("-inf")).softmax(dim=-1)
             out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, n_slots).to(value.dtype), value)
             out = out.view(bsz, n_q_heads, b, -1)
-            observe(probs.sum(dim=2).mul_((qp >= 0)[:, None, :, None]), qp)
+            summed = probs.sum(dim=2).mul_((qp >= 0)[:, None, :, None])
+            observe(Observation(probs=summed, logits=logits, allowed=allowed, query_pos=qp))
         elif b == 1:
             # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
             q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)

@@ -214,6 +214,8 @@ class SieveLayer(CacheLayerMixin):
             pos=self.pos[:, :, :n],
             state={k: v[:, :, :n] for k, v in self.state.items()},
             last=self.real_seen - 1,
+            keys=self.keys[:, :, :n],
+            values=self.values[:, :, :n],
         )
 
     def _evict(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvsieve.policies.base import NoParams, Policy, Slots
+from kvsieve.policies.base import NoParams, Observation, Policy, Slots
 from kvsieve.policies.full import Full
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.local import Local
@@ -29,4 +29,4 @@ def get_policy(name: str | type[Policy]) -> type[Policy]:
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(REGISTRY)}") from None
 
 
-__all__ = ["REGISTRY", "NoParams", "Policy", "Slots", "get_policy"]
+__all__ = ["REGISTRY", "NoParams", "Observation", "Policy", "Slots", "get_policy"]

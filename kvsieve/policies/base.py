@@ -3,9 +3,10 @@
 A policy decides, independently for every (batch row, KV head) of one layer, which cached tokens to keep. The
 engine owns the storage (slots) and calls the policy at each forward step of that layer:
 
-1. ``observe(slots, probs, query_pos)`` — only for policies with ``needs_attention = True``: the fp32 attention
-   probabilities of the step's queries over all slots (the query heads of a GQA group summed), possibly in
-   several blocks of query rows. Policies accumulate whatever statistics they need into their per-slot state.
+1. ``observe(slots, obs)`` — only for policies with ``needs_attention = True``: an :class:`Observation` of the
+   step's queries over all slots (fp32 probabilities with the query heads of a GQA group summed, the scaled
+   logits per query head, the attention mask), possibly in several blocks of query rows. Policies accumulate
+   whatever statistics they need into their per-slot state.
 2. ``n_keep(n)`` — how many slots to keep after the step, given ``n`` slots now (``n`` includes the new tokens).
 3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot; the engine keeps the ``n_keep`` highest
    (``+inf`` = protected). Empty and padding slots are never kept in place of real tokens.
@@ -35,15 +36,34 @@ class Slots:
     pos: torch.Tensor
     """``[B, H, N]`` original position of each slot's token (index among the row's real tokens); -1 = empty."""
     state: dict[str, torch.Tensor]
-    """The policy's per-slot state, ``[B, H, N, ...]`` each."""
+    """The policy's per-slot state, ``[B, H, N, ...]`` each (views: update in place)."""
     last: torch.Tensor
     """``[B]`` position of each row's newest token."""
+    keys: torch.Tensor
+    """``[B, H, N, D]`` cached keys (after RoPE), read-only."""
+    values: torch.Tensor
+    """``[B, H, N, D]`` cached values, read-only."""
 
     @property
     def age(self) -> torch.Tensor:
         """``[B, H, N]`` tokens since each slot's token (0 = newest); empty slots get a huge age."""
         age = self.last[:, None, None] - self.pos
         return age.masked_fill(self.pos < 0, torch.iinfo(age.dtype).max)
+
+
+@dataclass
+class Observation:
+    """The attention of one block of query rows over the ``N`` slots of a layer, as a policy sees it."""
+
+    probs: torch.Tensor
+    """``[B, H, b, N]`` fp32 probabilities, the query heads of each KV head's group summed; rows of padding
+    queries are zero."""
+    logits: torch.Tensor
+    """``[B, H, G, b, N]`` fp32 scaled logits ``q·k/sqrt(d)`` per query head of the group, ``-inf`` where masked."""
+    allowed: torch.Tensor
+    """``[B, H, b, N]`` bool: the slots each query attended to."""
+    query_pos: torch.Tensor
+    """``[B, b]`` positions of the queries (-1 = padding)."""
 
 
 class Policy:
@@ -87,9 +107,8 @@ class Policy:
         """Per-slot state: name → (extra trailing dims, dtype)."""
         return {}
 
-    def observe(self, slots: Slots, probs: torch.Tensor, query_pos: torch.Tensor) -> None:
-        """Accumulate statistics from ``probs`` ``[B, H, q, N]`` (fp32) of queries at ``query_pos`` ``[B, q]``
-        (-1 = padding query, whose row is all zeros)."""
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        """Accumulate statistics from one block of query rows (called only when ``needs_attention``)."""
 
     def n_keep(self, n: int) -> int:
         """Slots to keep after a step that left ``n`` slots."""

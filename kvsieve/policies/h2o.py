@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, recent_mask
+from kvsieve.policies.base import Observation, Policy, Slots, recent_mask
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class H2O(Policy):
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"score": ((), torch.float32)}
 
-    def observe(self, slots: Slots, probs: torch.Tensor, query_pos: torch.Tensor) -> None:
-        slots.state["score"] += probs.sum(dim=2)
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        slots.state["score"] += obs.probs.sum(dim=2)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return slots.state["score"].masked_fill(recent_mask(slots, self.recent), float("inf"))
