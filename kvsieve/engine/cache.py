@@ -103,7 +103,8 @@ class SieveLayer(CacheLayerMixin):
         self.real_seen: torch.Tensor | None = None
         self.n = 0
         self.seen = 0
-        self.pending: int | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.step_size: int | None = None
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -123,33 +124,25 @@ class SieveLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the step's new K/V; :meth:`attend` (called by the attention function) stores and uses them."""
         if self.pending is not None:
             raise UnsupportedModelError(
                 f"layer {self.layer_idx}: the attention of the previous forward step never ran through the kvsieve "
                 "attention (load the model with kvsieve.load_model or use kvsieve.make_cache, which sets "
                 "attn_implementation='kvsieve'); if a forward pass was interrupted, call cache.reset()"
             )
-        q = key_states.shape[-2]
         if self.policy is None:
-            self.policy = self.plan.resolve(q)[self.layer_idx]
+            self.policy = self.plan.resolve(key_states.shape[-2])[self.layer_idx]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(
                 f"batch size changed from {self.keys.shape[0]} to {key_states.shape[0]}; use a new cache or reset()"
             )
-        n, total = self.n, self.n + q
-        self._reserve(total)
-        self.keys[:, :, n:total] = key_states
-        self.values[:, :, n:total] = value_states
-        self.pos[:, :, n:total] = -1
-        for t in self.state.values():
-            t[:, :, n:total] = 0
-        self.seen += q
-        self.pending = q
-        keys, values = self.keys[:, :, :total], self.values[:, :, :total]
-        hand_over(self, keys)
-        return keys, values
+        self.seen += key_states.shape[-2]
+        self.pending = (key_states, value_states)
+        hand_over(self, key_states)
+        return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -190,20 +183,63 @@ class SieveLayer(CacheLayerMixin):
         scaling: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        """Run the pending step: attention over the slots (``[B, Hq, q, D]`` out), observation, eviction."""
-        q, self.pending = self.pending, None
+        """Run the pending step (``query`` ``[B, Hq, q, D]`` → output of the same shape).
+
+        The step's tokens are processed in chunks of ``step_size`` (all at once when None), each chunk stored,
+        attended, observed and evicted before the next — with ``step_size=1`` this is exactly the computation of
+        feeding the tokens one at a time.
+        """
+        (new_keys, new_values), self.pending = self.pending, None
+        q = new_keys.shape[2]
+        step = self.step_size or q
+        outputs = [
+            self._step(
+                query[:, :, s : s + step],
+                new_keys[:, :, s : s + step],
+                new_values[:, :, s : s + step],
+                None if padding is None else padding[:, s : s + step].to(self.device),
+                scaling,
+                window,
+            )
+            for s in range(0, q, step)
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+    def _step(
+        self,
+        query: torch.Tensor,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        padding: torch.Tensor | None,
+        scaling: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        q = key_states.shape[2]
         start, total = self.n, self.n + q
+        self._reserve(total)
         if padding is None:
             query_pos = self.real_seen[:, None] + torch.arange(q, device=self.device)
             self.real_seen += q
         else:
-            padding = padding.to(self.device)
             query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
             self.real_seen += padding.sum(-1)
+        self.keys[:, :, start:total] = key_states
+        self.values[:, :, start:total] = value_states
         self.pos[:, :, start:total] = query_pos[:, None, :]
+        for t in self.state.values():
+            t[:, :, start:total] = 0
         self.n = total
         observe = partial(self.policy.observe, self.slots()) if self.policy.needs_attention else None
-        out = slot_attention(query, key, value, self.pos[:, :, :total], query_pos, scaling, window, observe)
+        out = slot_attention(
+            query,
+            self.keys[:, :, :total],
+            self.values[:, :, :total],
+            self.pos[:, :, :total],
+            query_pos,
+            scaling,
+            window,
+            observe,
+        )
         self._evict()
         return out
 
@@ -298,6 +334,22 @@ class SieveCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.plan.reset()
+
+    @property
+    def step_size(self) -> int | None:
+        """Tokens processed per eviction round within one forward pass (None: the whole forward at once).
+
+        ``1`` is the "stream" protocol: one forward over a whole sequence gives the logits of feeding it token by
+        token through this cache, at a fraction of the cost (the per-token work runs inside each layer).
+        """
+        return self.layers[0].step_size
+
+    @step_size.setter
+    def step_size(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"step_size must be a positive int or None, got {value!r}")
+        for layer in self.layers:
+            layer.step_size = value
 
     def positions(self, layer_idx: int) -> torch.Tensor:
         """``[batch, kv_heads, slots]`` original positions of the tokens held by ``layer_idx`` (-1 = empty)."""

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random models (Llama MHA/GQA, Gemma 3 with sliding layers), the real default model, real
+text. Nothing may reach the Hugging Face Hub: offline mode is set before transformers is imported."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+import kvsieve  # noqa: E402
+
+TINY_VOCAB = 128
+TINY_MODELS = ("llama_mha", "llama_gqa", "gemma3")
+GEMMA_WINDOW = 8
+
+
+def _llama_config(kv_heads: int, vocab: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _gemma3_config() -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=1024,
+        sliding_window=GEMMA_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+
+
+def build_tiny(name: str, vocab: int = TINY_VOCAB) -> PreTrainedModel:
+    """A seeded fp32 random model in eval mode using the ``"kvsieve"`` attention implementation."""
+    kvsieve.register()
+    torch.manual_seed(0)
+    if name == "gemma3":
+        model = Gemma3ForCausalLM._from_config(_gemma3_config(), attn_implementation=kvsieve.ATTN_IMPLEMENTATION)
+    else:
+        config = _llama_config(4 if name == "llama_mha" else 2, vocab)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=kvsieve.ATTN_IMPLEMENTATION)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def llama_mha() -> PreTrainedModel:
+    """Tiny Llama, 4 query / 4 KV heads, 3 layers."""
+    return build_tiny("llama_mha")
+
+
+@pytest.fixture(scope="session")
+def llama_gqa() -> PreTrainedModel:
+    """Tiny Llama, 4 query / 2 KV heads, 3 layers."""
+    return build_tiny("llama_gqa")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> PreTrainedModel:
+    """Tiny Gemma 3: sliding (window 8) and full layers alternating, 1 KV head."""
+    return build_tiny("gemma3")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The default model (SmolLM2-135M, fp32, CPU) and its tokenizer."""
+    return kvsieve.load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(real_model) -> PreTrainedTokenizerBase:
+    return real_model[1]
+
+
+@pytest.fixture(scope="session")
+def wiki_text() -> str:
+    """A real Wikipedia article of at least 20 000 characters."""
+    from kvsieve.data import builtin_text
+
+    return builtin_text(min_chars=20000)
