@@ -144,7 +144,14 @@ def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = _load(args)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     result, _ = stream_perplexity(
-        model, ids, args.policy, args.budget, prefill=args.prefill, progress=not args.json, **dict(args.param)
+        model,
+        ids,
+        args.policy,
+        args.budget,
+        prefill=args.prefill,
+        engine=args.engine,
+        progress=not args.json,
+        **dict(args.param),
     )
     return result.to_dict()
 
@@ -232,10 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "ppl":
             _policy_args(p)
             p.add_argument("--prefill", type=int, default=None, help="tokens processed at once (default: budget)")
+            p.add_argument(
+                "--engine",
+                choices=["whole", "decode"],
+                default="whole",
+                help="whole: long forward passes with per-token eviction inside each layer (same logits, faster); "
+                "decode: one forward pass per token",
+            )
         else:
             p.add_argument("--budget", type=_budget, default=0.2, help="tokens or ratio (default 0.2)")
             p.add_argument("--policies", nargs="+", default=["full", "local", "streaming_llm", "h2o"])
-            p.add_argument("--sample-tokens", type=int, default=24, help="greedy continuation length")
+            p.add_argument("--sample-tokens", type=int, default=32, help="greedy continuation length (decode speed)")
     return parser
 
 

@@ -4,6 +4,7 @@ text. Nothing may reach the Hugging Face Hub: offline mode is set before transfo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -18,6 +19,7 @@ from transformers import (  # noqa: E402
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.cache_utils import Cache  # noqa: E402
 
 import kvsieve  # noqa: E402
 
@@ -104,3 +106,51 @@ def wiki_text() -> str:
     from kvsieve.data import builtin_text
 
     return builtin_text(min_chars=20000)
+
+
+def _stream(
+    model: PreTrainedModel,
+    cache: Cache,
+    prompt: torch.Tensor,
+    steps: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    on_step: Callable[[], None] | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Prefill ``prompt`` ``[B, L]`` then feed ``steps`` seeded random tokens one at a time through ``cache``.
+
+    Returns the logits of every position ``[B, L + steps, V]`` (fp32); ``on_step`` runs after the prefill and after
+    every decode step.
+    """
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    mask = attention_mask
+    outputs = []
+    ids = prompt
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            outputs.append(model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float())
+            if on_step is not None:
+                on_step()
+            ids = torch.randint(3, vocab, (prompt.shape[0], 1), generator=gen)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(prompt.shape[0], 1)], dim=1)
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.fixture(scope="session")
+def stream() -> Callable[..., torch.Tensor]:
+    """The prefill + random-decode loop (see ``_stream``)."""
+    return _stream
+
+
+def random_ids(batch: int, length: int, seed: int = 1, vocab: int = TINY_VOCAB) -> torch.Tensor:
+    """Seeded random token ids (avoiding the special ids 0-2)."""
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="session")
+def make_ids() -> Callable[..., torch.Tensor]:
+    """``random_ids`` as a fixture."""
+    return random_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,10 +22,14 @@ from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
 
+ENGINES = ("whole", "decode")
+WHOLE_CHUNK = 256  # tokens per forward pass of the whole-sequence engine (bounds the logits' memory)
+
 
 @dataclass
 class PerplexityResult:
     policy: str
+    engine: str
     budget_tokens: int | None
     prefill_tokens: int
     tokens_scored: int
@@ -34,7 +39,7 @@ class PerplexityResult:
     kv_bytes: int
     state_bytes: int
     seconds: float
-    decode_tok_s: float
+    stream_tok_s: float
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +49,31 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
+def stream_logits(
+    model: PreTrainedModel, cache: SieveCache, ids: torch.Tensor, engine: str = "whole", progress: bool = False
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Feed ``ids`` (``[B, n]``) through ``cache`` one token at a time; yield ``(offset, logits [B, c, V])``.
+
+    ``engine="decode"`` runs one forward pass per token. ``engine="whole"`` runs a few long forward passes with the
+    cache's ``step_size`` set to 1, so each layer performs the per-token cache work internally: the same logits
+    (the "stream" protocol), many times faster.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    chunk = WHOLE_CHUNK if engine == "whole" else 1
+    previous, cache.step_size = cache.step_size, 1
+    try:
+        with tqdm(
+            total=ids.shape[1], desc=f"{cache.policy_name} {engine}", unit="tok", disable=not progress, leave=False
+        ) as bar:
+            for start in range(0, ids.shape[1], chunk):
+                logits = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
+                bar.update(logits.shape[1])
+                yield start, logits
+    finally:
+        cache.step_size = previous
+
+
 @torch.inference_mode()
 def stream_perplexity(
     model: PreTrainedModel,
@@ -51,15 +81,16 @@ def stream_perplexity(
     policy: str = "h2o",
     budget: Budget = 0.2,
     prefill: int | None = None,
+    engine: str = "whole",
     progress: bool = True,
-    cache: SieveCache | None = None,
     **policy_kwargs: Any,
 ) -> tuple[PerplexityResult, SieveCache]:
     """Perplexity of ``input_ids`` (``[1, L]`` or ``[L]``) under ``policy`` at ``budget``.
 
-    ``budget`` may be a ratio of ``L``. ``prefill`` defaults to the budget (in tokens), so that the prompt pass
-    fits the budget and eviction starts with the first streamed token. Returns the result and the cache (which has
-    seen every token but the last).
+    ``budget`` may be a ratio of ``L``. The first ``prefill`` tokens (default: the budget) are processed in one
+    pass with full attention among themselves; every later token is streamed through the evicting cache
+    (``engine``: see :func:`stream_logits`). Returns the result and the cache (which has seen all but the last
+    token).
     """
     ids = input_ids.reshape(1, -1).to(model.device)
     length = ids.shape[1]
@@ -69,22 +100,23 @@ def stream_perplexity(
     prefill = budget_tokens if prefill is None else prefill
     if not 1 <= prefill < length:
         raise ValueError(f"prefill must be in [1, {length - 1}] for a text of {length} tokens, got {prefill}")
-    if cache is None:
-        cache = make_cache(model, policy, budget_tokens, **policy_kwargs)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    cache = make_cache(model, policy, budget_tokens, **policy_kwargs)
     start = time.perf_counter()
     logits = model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits
-    nll = _nll(logits[:, :-1], ids[:, 1:prefill])
-    nll += _nll(logits[:, -1:], ids[:, prefill : prefill + 1])
-    decode_start = time.perf_counter()
-    steps = range(prefill, length - 1)
-    for i in tqdm(steps, desc=f"{cache.policy_name} ppl", unit="tok", disable=not progress, leave=False):
-        logits = model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits
-        nll += _nll(logits, ids[:, i + 1 : i + 2])
+    nll = _nll(logits, ids[:, 1 : prefill + 1])
+    stream_start = time.perf_counter()
+    rest = ids[:, prefill : length - 1]
+    for offset, chunk_logits in stream_logits(model, cache, rest, engine, progress):
+        first = prefill + 1 + offset
+        nll += _nll(chunk_logits, ids[:, first : first + chunk_logits.shape[1]])
     end = time.perf_counter()
     scored = length - 1
     mean = nll.item() / scored
     result = PerplexityResult(
         policy=cache.policy_name,
+        engine=engine,
         budget_tokens=cache.budget_tokens,
         prefill_tokens=prefill,
         tokens_scored=scored,
@@ -94,6 +126,6 @@ def stream_perplexity(
         kv_bytes=cache.kv_nbytes(),
         state_bytes=cache.state_nbytes(),
         seconds=end - start,
-        decode_tok_s=len(steps) / (end - decode_start) if len(steps) else float("nan"),
+        stream_tok_s=rest.shape[1] / (end - stream_start) if rest.shape[1] else float("nan"),
     )
     return result, cache

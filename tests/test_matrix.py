@@ -1,0 +1,129 @@
+"""The shared matrix: every registered policy × every tiny model passes these checks, with no test of its own.
+
+Policies are taken from ``kvsieve.policies.REGISTRY`` at collection time, so new policies are covered as soon as
+they are registered.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+import kvsieve
+from kvsieve.policies import REGISTRY
+
+TINY_MODELS = ("llama_mha", "llama_gqa", "gemma3")
+BUDGET = 12
+PROMPT = 30
+STEPS = 200
+
+policies = pytest.mark.parametrize("policy", list(REGISTRY))
+
+
+@pytest.fixture(params=TINY_MODELS)
+def model_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model(model_name: str, request: pytest.FixtureRequest) -> PreTrainedModel:
+    return request.getfixturevalue(model_name)
+
+
+def _bounds(model: PreTrainedModel, cache: kvsieve.SieveCache, policy: str) -> list[int | None]:
+    """Most slots each layer may hold between steps (None = unbounded); sliding layers keep ``window - 1``."""
+    own = BUDGET if REGISTRY[policy].bounded else None
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    return [window - 1 if layer.is_sliding else own for layer in cache.layers]
+
+
+@pytest.fixture(scope="module")
+def full_nbytes() -> dict[str, int]:
+    """``full``'s ``nbytes()`` after the same run, per model name (filled on first use)."""
+    return {}
+
+
+@policies
+def test_budget_invariant_through_200_decode_steps(model_name, model, policy, stream, make_ids, full_nbytes) -> None:
+    cache = kvsieve.make_cache(model, policy, BUDGET)
+    bounds = _bounds(model, cache, policy)
+
+    def check() -> None:
+        for i, (bound, n, cap) in enumerate(zip(bounds, cache.slot_counts(), cache.capacities(), strict=True)):
+            if bound is not None:
+                assert n <= bound, f"layer {i} holds {n} slots > {bound}"
+                assert cap <= bound + 1, f"layer {i} allocates {cap} slots > {bound + 1}"
+
+    stream(model, cache, make_ids(2, PROMPT), STEPS, on_step=check)
+    for bound, n in zip(bounds, cache.slot_counts(), strict=True):
+        assert n == PROMPT + STEPS if bound is None else 0 < n <= bound  # unbounded layers grow with every token
+    if model_name not in full_nbytes:
+        full = kvsieve.make_cache(model, "full")
+        stream(model, full, make_ids(2, PROMPT), STEPS)
+        full_nbytes[model_name] = full.nbytes()
+    if REGISTRY[policy].bounded:
+        assert cache.nbytes() * 5 < full_nbytes[model_name]
+
+
+@policies
+def test_budget_at_least_length_equals_dynamic_cache(model, policy, stream, make_ids) -> None:
+    prompt = make_ids(2, 24)
+    reference = stream(model, DynamicCache(config=model.config), prompt, 20)
+    cache = kvsieve.make_cache(model, policy, 64)
+    logits = stream(model, cache, prompt, 20)
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+    assert cache.get_seq_length() == 44
+
+
+@policies
+def test_left_padded_batch_equals_rows_alone(model, policy, make_ids) -> None:
+    long, short = make_ids(1, 20, seed=2), make_ids(1, 13, seed=3)
+    pad = model.config.pad_token_id
+    ids = torch.cat([long, torch.cat([torch.full((1, 7), pad), short], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+
+    def generate(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=kvsieve.make_cache(model, policy, 10),
+            do_sample=False,
+            max_new_tokens=30,
+            min_new_tokens=30,
+            pad_token_id=pad,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
+
+    batch_tokens, batch_logits = generate(ids, mask)
+    for row, prompt in enumerate((long, short)):
+        tokens, logits = generate(prompt, torch.ones_like(prompt))
+        assert torch.equal(batch_tokens[row], tokens[0]), f"row {row}"
+        torch.testing.assert_close(batch_logits[row], logits[0], atol=1e-4, rtol=0)
+
+
+@policies
+def test_deterministic(model, policy, stream, make_ids) -> None:
+    runs = []
+    for _ in range(2):
+        cache = kvsieve.make_cache(model, policy, BUDGET)
+        logits = stream(model, cache, make_ids(2, PROMPT), 40)
+        runs.append((logits, [cache.positions(i) for i in range(len(cache.layers))]))
+    (logits_a, pos_a), (logits_b, pos_b) = runs
+    assert torch.equal(logits_a, logits_b)
+    assert all(torch.equal(a, b) for a, b in zip(pos_a, pos_b, strict=True))
+
+
+@policies
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_logits_with_padding(model, policy, dtype, stream, make_ids) -> None:
+    cast = copy.deepcopy(model).to(dtype)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :9] = 0
+    logits = stream(cast, kvsieve.make_cache(cast, policy, BUDGET), make_ids(2, PROMPT), 30, attention_mask=mask)
+    assert torch.isfinite(logits).all()
