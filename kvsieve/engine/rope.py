@@ -1,0 +1,68 @@
+"""Position rolling: re-rotate cached keys by their rank in the cache instead of their original position.
+
+StreamingLLM and the H2O streaming experiment assign positions *within the cache* so that a stream can run far
+past the model's ``max_position_embeddings``: the k-th oldest kept token is at position k and the query at the
+position after the newest kept one. The model has already rotated keys and queries with RoPE at their true
+positions ``p``; the engine stores keys un-rotated (``R(-p)·k``) and, at each step, rotates every slot by its rank
+and each query by ``rank − p``. Only relative angles enter ``q·k``, so this is exact for any RoPE whose rotation
+is ``x·cos θ + rotate_half(x)·sin θ`` with ``θ = pos · inv_freq`` (default, linear, llama3, … scalings).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvsieve.engine.attention import UnsupportedModelError
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary:
+    """RoPE rotations by arbitrary (per-element) positions, with the model's frequencies."""
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq.float()
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> Rotary:
+        """The frequencies of a model with one RoPE for all layers (raises for anything else)."""
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if not isinstance(rope_type, str) or "rope_theta" not in params:
+            raise UnsupportedModelError(
+                "position rolling needs a model with one rotary embedding for all layers "
+                f"(this config's rope_parameters: {params})"
+            )
+        if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError("position rolling does not support partial rotary embeddings")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if rope_type == "default":
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != "dynamic":
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        else:
+            raise UnsupportedModelError(f"position rolling does not support rope_type {rope_type!r}")
+        return cls(inv_freq)
+
+    def rotate(self, x: torch.Tensor, angle_pos: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[B, H, n, D]`` by positions ``angle_pos`` (``[B, H, n]`` or ``[B, 1, n]``, may be
+        negative or fractional)."""
+        freqs = angle_pos.to(torch.float32)[..., None] * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+
+def ranks(pos: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]`` rank of each slot among the valid slots of its (row, head) by original position (0 = oldest);
+    empty slots (-1) get rank 0."""
+    key = pos.masked_fill(pos < 0, torch.iinfo(pos.dtype).max)
+    order = key.argsort(dim=-1)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order))
+    return rank.masked_fill(pos < 0, 0)

@@ -1,0 +1,88 @@
+"""Position rolling: keys re-rotated by their rank in the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import kvsieve
+from kvsieve.engine.rope import Rotary, ranks
+
+
+def _model(layers: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_ranks_order_valid_slots_and_zero_empty_ones():
+    pos = torch.tensor([[[7, -1, 3, 12, 5]]])
+    assert ranks(pos).tolist() == [[[2, 0, 0, 3, 1]]]
+
+
+def test_rotation_inverts_and_composes():
+    rot = Rotary(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+    x = torch.randn(1, 2, 5, 8)
+    p = torch.arange(5).view(1, 1, 5).expand(1, 2, 5)
+    assert torch.allclose(rot.rotate(rot.rotate(x, p), -p), x, atol=1e-6)
+    assert torch.allclose(rot.rotate(rot.rotate(x, p), p + 3), rot.rotate(x, 2 * p + 3), atol=1e-5)
+
+
+@torch.no_grad()
+def test_rolling_without_eviction_changes_nothing():
+    model = _model(2)
+    ids = torch.randint(0, 101, (2, 30))
+    plain = model(ids, past_key_values=kvsieve.make_cache(model, "full")).logits
+    rolled = model(ids, past_key_values=kvsieve.make_cache(model, "full", rolling=True)).logits
+    torch.testing.assert_close(rolled, plain, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_rolling_streaming_llm_sees_kept_tokens_at_consecutive_positions():
+    # One layer: each token's K/V depends on the token alone, so the rolled cache must give, for the last token,
+    # exactly the logits of a fresh forward over [sinks + recent window + token] at positions 0..12.
+    model = _model(1)
+    ids = torch.randint(0, 101, (1, 40))
+    cache = kvsieve.make_cache(model, "streaming_llm", 12, sink=2, rolling=True)
+    cache.step_size = 1
+    logits = model(ids, past_key_values=cache).logits
+    kept = [0, 1, *range(29, 40)]  # before token 39: 2 sinks + tokens 29..38; then token 39 itself
+    ref = model(ids[:, kept], past_key_values=DynamicCache()).logits
+    torch.testing.assert_close(logits[:, -1], ref[:, -1], atol=1e-5, rtol=1e-5)
+    # Without rolling the positions differ, and so do the logits.
+    plain = kvsieve.make_cache(model, "streaming_llm", 12, sink=2)
+    plain.step_size = 1
+    assert not torch.allclose(model(ids, past_key_values=plain).logits[:, -1], ref[:, -1], atol=1e-3)
+
+
+@torch.no_grad()
+def test_rolling_streams_past_max_position_embeddings():
+    model = _model(2)
+    ids = torch.randint(0, 101, (1, 200))  # > max_position_embeddings = 64
+    cache = kvsieve.make_cache(model, "h2o", 16, rolling=True)
+    cache.step_size = 1
+    logits = model(ids, past_key_values=cache).logits
+    assert torch.isfinite(logits).all()
+    assert max(cache.slot_counts()) <= 16
+    assert cache.rolling
+
+
+def test_rolling_rejects_models_with_several_rotary_embeddings_and_late_enabling():
+    model = _model(1)
+    cache = kvsieve.make_cache(model, "local", 8)
+    with torch.no_grad():
+        model(torch.randint(0, 101, (1, 4)), past_key_values=cache)
+    with pytest.raises(ValueError, match="before the cache is used"):
+        cache.enable_rolling(Rotary.from_config(model.config))
+    model.config.rope_parameters = {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}
+    with pytest.raises(kvsieve.UnsupportedModelError, match="one rotary embedding"):
+        Rotary.from_config(model.config)
