@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.engine.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register
 from kvsieve.engine.budget import Budget, check_budget, resolve_budget
 from kvsieve.engine.cache import PolicyPlan, SieveCache
+from kvsieve.engine.rope import Rotary
+from kvsieve.engine.schedules import schedule_weights
 from kvsieve.policies import NoParams, Policy, get_policy
 from kvsieve.policies.local import Local
 
@@ -49,14 +52,20 @@ def make_cache(
     model: PreTrainedModel,
     policy: str | type[Policy] = "h2o",
     budget: Budget | None = 0.2,
+    *,
+    rolling: bool = False,
+    schedule: str | Sequence[float] = "uniform",
     **policy_kwargs: Any,
 ) -> SieveCache:
     """An evicting cache for ``model``: use it as ``past_key_values`` in ``generate`` or a forward loop.
 
     ``budget``: tokens (int) or a ratio of the prompt length (float in (0, 1]); ignored by ``full``.
     ``policy_kwargs``: the policy's parameters (see ``kvsieve policies``). Sliding-window layers (e.g. Gemma 3's
-    local layers) keep their own window; the policy and budget apply to the global layers. Switches the model to
-    the ``"kvsieve"`` attention implementation.
+    local layers) keep their own window; the policy and budget apply to the global layers. ``rolling=True`` assigns
+    RoPE positions by rank within the cache (StreamingLLM-style), so streams can run past the model's
+    ``max_position_embeddings``. ``schedule`` shares the budget among the policy layers, same total (``uniform``,
+    ``increasing``, ``pyramid``, ``profiled`` or explicit per-layer weights; see :mod:`kvsieve.engine.schedules`).
+    Switches the model to the ``"kvsieve"`` attention implementation.
     """
     cls = get_policy(policy)
     params = cls.make_params(**policy_kwargs)
@@ -65,9 +74,15 @@ def make_cache(
     if "sliding_attention" in types and not window:
         raise UnsupportedModelError(f"{type(model).__name__} has sliding layers but no sliding_window in its config")
     layers = [(cls, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
-    plan = PolicyPlan(layers, budget if cls.bounded else None)
+    takes_budget = cls.takes_budget()
+    weights = schedule_weights(schedule, model, types.count("full_attention")) if takes_budget else None
+    plan = PolicyPlan(layers, budget if takes_budget else None, weights)
+    rotary = Rotary.from_config(model.config.get_text_config()) if rolling else None
     use_kvsieve_attention(model)
-    return SieveCache(plan, [t == "sliding_attention" for t in types])
+    cache = SieveCache(plan, [t == "sliding_attention" for t in types])
+    if rotary is not None:
+        cache.enable_rolling(rotary)
+    return cache
 
 
 @dataclass
@@ -95,12 +110,13 @@ def generate(
     budget: Budget | None = 0.2,
     max_new_tokens: int = 64,
     policy_kwargs: dict[str, Any] | None = None,
+    schedule: str | Sequence[float] = "uniform",
     **generate_kwargs: Any,
 ) -> Generation:
     """Generate from one prompt or a batch (left-padded) with the KV cache held to ``budget``.
 
-    A ratio budget is a share of the padded prompt length. Greedy decoding unless ``generate_kwargs`` say
-    otherwise (e.g. ``do_sample=True``).
+    A ratio budget is a share of the padded prompt length; ``schedule`` shares it among layers (see
+    :func:`make_cache`). Greedy decoding unless ``generate_kwargs`` say otherwise (e.g. ``do_sample=True``).
     """
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     if not batch or any(not isinstance(p, str) or not p for p in batch):
@@ -110,7 +126,7 @@ def generate(
     if budget is not None:
         check_budget(budget)
     enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(model.device)
-    cache = make_cache(model, policy, budget, **(policy_kwargs or {}))
+    cache = make_cache(model, policy, budget, schedule=schedule, **(policy_kwargs or {}))
     if isinstance(budget, float) and cache.plan.budget is not None:
         # Resolve now against the padded prompt, so invalid splits fail before any work.
         cache.plan.resolve(enc["input_ids"].shape[1])
@@ -120,7 +136,7 @@ def generate(
     with torch.inference_mode():
         out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
     new = out[:, enc["input_ids"].shape[1] :]
-    eos = _eos_ids(model, tokenizer)
+    eos = _eos_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
     lengths = [_length_until_eos(row, eos) for row in new.tolist()]
     return Generation(
         texts=[
@@ -138,8 +154,12 @@ def budget_tokens_for(budget: Budget | None, length: int) -> int | None:
     return None if budget is None else resolve_budget(budget, length)
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+def _eos_ids(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ids: int | list[int] | None = None
+) -> set[int]:
+    """The EOS ids generation stops at: ``ids`` (an ``eos_token_id`` passed to generate), else the model's."""
+    if ids is None and model.generation_config is not None:
+        ids = model.generation_config.eos_token_id
     if ids is None:
         ids = tokenizer.eos_token_id
     return set(ids if isinstance(ids, list) else [] if ids is None else [ids])

@@ -162,13 +162,15 @@ def slot_attention(
     scaling: float,
     window: int | None = None,
     observe: Callable[[Observation], None] | None = None,
+    narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
 
     ``key_pos`` ``[B, Hkv, N]`` and ``query_pos`` ``[B, q]`` are original positions (-1 = empty/padding). When
     ``observe`` is given, the logits and fp32 probabilities are computed explicitly and passed block by block as an
     :class:`~kvsieve.policies.base.Observation`; otherwise torch's fused ``scaled_dot_product_attention`` runs
-    and no probabilities exist. Returns ``[B, Hq, q, D]``.
+    and no probabilities exist. With ``observe``, ``narrow(logits, allowed)`` may restrict each query head's keys
+    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). Returns ``[B, Hq, q, D]``.
     """
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = key.shape[1], key.shape[2]
@@ -186,11 +188,12 @@ def slot_attention(
         if observe is not None:
             logits = torch.matmul(q_blk.reshape(bsz, n_kv_heads, group * b, head_dim), key.transpose(-1, -2))
             logits = logits.float().mul_(scaling).view(bsz, n_kv_heads, group, b, n_slots)
-            probs = logits.masked_fill_(~allowed[:, :, None], float("-inf")).softmax(dim=-1)
+            mask = allowed[:, :, None] if narrow is None else narrow(logits, allowed)
+            probs = logits.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
             out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, n_slots).to(value.dtype), value)
             out = out.view(bsz, n_q_heads, b, -1)
             summed = probs.sum(dim=2).mul_((qp >= 0)[:, None, :, None])
-            observe(Observation(probs=summed, logits=logits, allowed=allowed, query_pos=qp))
+            observe(Observation(probs=summed, logits=logits, allowed=allowed, query_pos=qp, step_rows=q_len))
         elif b == 1:
             # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
             q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)

@@ -29,6 +29,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvsieve.engine.attention import UnsupportedModelError, hand_over, slot_attention
 from kvsieve.engine.budget import Budget, check_budget, resolve_budget
+from kvsieve.engine.rope import Rotary, ranks
+from kvsieve.engine.schedules import split_budget
 from kvsieve.policies import Policy, Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
@@ -38,12 +40,23 @@ class PolicyPlan:
     """Builds each layer's policy instance, resolving a ratio budget against the prompt length once.
 
     ``layer_policies[i]`` is the policy class of layer ``i`` with its params and, for layers with their own fixed
-    size (sliding-window layers), the budget they always use.
+    size (sliding-window layers), the budget they always use. The other layers (the policy layers) all get
+    ``budget``, or, with ``weights`` (one per policy layer: a layer budget schedule), share the same total as
+    :func:`~kvsieve.engine.schedules.split_budget` divides it.
     """
 
-    def __init__(self, layer_policies: Sequence[tuple[type[Policy], Any, int | None]], budget: Budget | None) -> None:
+    def __init__(
+        self,
+        layer_policies: Sequence[tuple[type[Policy], Any, int | None]],
+        budget: Budget | None,
+        weights: Sequence[float] | None = None,
+    ) -> None:
         self.layer_policies = list(layer_policies)
         self.budget = None if budget is None else check_budget(budget)
+        self.n_shared = sum(fixed is None for *_, fixed in self.layer_policies)
+        if weights is not None and len(weights) != self.n_shared:
+            raise ValueError(f"a layer schedule needs a weight per policy layer ({self.n_shared}), not {len(weights)}")
+        self.weights = None if weights is None else list(weights)
         self.budget_tokens: int | None = None
         self._policies: list[Policy] | None = None
         if self.budget is None or isinstance(self.budget, int):
@@ -53,9 +66,18 @@ class PolicyPlan:
         """The policies of all layers (built on first call; every layer is validated before any is used)."""
         if self._policies is None:
             tokens = None if self.budget is None else resolve_budget(self.budget, prompt_len)
-            self._policies = [
-                cls(tokens if fixed is None else fixed, params) for cls, params, fixed in self.layer_policies
-            ]
+            scheduled = tokens is not None and self.weights is not None
+            shared = iter(split_budget(tokens, self.weights) if scheduled else [tokens] * self.n_shared)
+            policies = []
+            for i, (cls, params, fixed) in enumerate(self.layer_policies):
+                budget = next(shared) if fixed is None else fixed
+                try:
+                    policies.append(cls(budget, params))
+                except ValueError as err:
+                    if not scheduled:
+                        raise
+                    raise ValueError(f"layer {i} gets {budget} tokens under the layer schedule: {err}") from None
+            self._policies = policies
             self.budget_tokens = tokens
         return self._policies
 
@@ -82,7 +104,7 @@ def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tens
 def _move_slot(t: torch.Tensor, src: int, dst: torch.Tensor) -> None:
     """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h]``."""
     idx = dst.view(*dst.shape, 1, *([1] * (t.dim() - 3))).expand(*dst.shape, 1, *t.shape[3:])
-    t.scatter_(2, idx, t[:, :, src : src + 1])
+    t.scatter_(2, idx, t[:, :, src : src + 1].clone())  # the source must not alias the destination
 
 
 class SieveLayer(CacheLayerMixin):
@@ -105,6 +127,7 @@ class SieveLayer(CacheLayerMixin):
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step_size: int | None = None
+        self.rotary: Rotary | None = None
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -223,22 +246,33 @@ class SieveLayer(CacheLayerMixin):
         else:
             query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
             self.real_seen += padding.sum(-1)
+        if self.rotary is not None:  # store keys un-rotated (position rolling)
+            key_states = self.rotary.rotate(key_states, -query_pos[:, None, :])
         self.keys[:, :, start:total] = key_states
         self.values[:, :, start:total] = value_states
         self.pos[:, :, start:total] = query_pos[:, None, :]
         for t in self.state.values():
             t[:, :, start:total] = 0
         self.n = total
+        keys = self.keys[:, :, :total]
+        if self.rotary is not None:
+            rank = ranks(self.pos[:, :, :total])
+            keys = self.rotary.rotate(keys, rank)
+            group = query.shape[1] // keys.shape[1]
+            query_rank = rank[:, :, start:total].repeat_interleave(group, dim=1)
+            query = self.rotary.rotate(query, query_rank - query_pos[:, None, :])
         observe = partial(self.policy.observe, self.slots()) if self.policy.needs_attention else None
+        narrow = self.policy.narrow if self.policy.needs_attention else None
         out = slot_attention(
             query,
-            self.keys[:, :, :total],
+            keys,
             self.values[:, :, :total],
             self.pos[:, :, :total],
             query_pos,
             scaling,
             window,
             observe,
+            narrow,
         )
         self._evict()
         return out
@@ -274,8 +308,7 @@ class SieveLayer(CacheLayerMixin):
 
     def _limit(self) -> int | float:
         """Most slots kept allocated between steps."""
-        budget = self.policy.budget
-        return float("inf") if budget is None else budget + 1
+        return self.policy.budget + 1 if self.policy.bounded else float("inf")
 
     def _reserve(self, needed: int) -> None:
         capacity = self.keys.shape[2]
@@ -350,6 +383,18 @@ class SieveCache(Cache):
             raise ValueError(f"step_size must be a positive int or None, got {value!r}")
         for layer in self.layers:
             layer.step_size = value
+
+    @property
+    def rolling(self) -> bool:
+        """Whether keys are re-rotated by their rank in the cache (position rolling, see :mod:`kvsieve.engine.rope`)."""
+        return self.layers[0].rotary is not None
+
+    def enable_rolling(self, rotary: Rotary) -> None:
+        """Switch on position rolling (before the first forward pass)."""
+        if any(layer.is_initialized for layer in self.layers):
+            raise ValueError("position rolling must be enabled before the cache is used")
+        for layer in self.layers:
+            layer.rotary = rotary
 
     def positions(self, layer_idx: int) -> torch.Tensor:
         """``[batch, kv_heads, slots]`` original positions of the tokens held by ``layer_idx`` (-1 = empty)."""

@@ -1,0 +1,41 @@
+"""``knorm``: keep the keys with the lowest L2 norm (no attention needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.policies.base import Policy, Slots, rank_newer_first, recent_mask
+
+
+@dataclass(frozen=True)
+class KNormParams:
+    recent: int = 0
+    """Newest tokens never evicted (0, the paper's rule: none)."""
+
+
+class KNorm(Policy):
+    """Keeps the ``budget`` tokens whose cached keys have the lowest L2 norm (plus the ``recent`` newest).
+
+    Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024
+    (arXiv:2406.11430): a low key norm goes with high attention, so after each step that leaves more than
+    ``budget`` tokens, the highest-norm keys are evicted (as kvpress' ``KnormPress``: score ``-‖k‖``). The norm is
+    the fp32 L2 norm of the cached key per KV head; RoPE is a rotation, so it is the pre-RoPE norm too.
+
+    Choices: equal norms (the same token at two positions: RoPE keeps the norm) keep the newer token; ``recent``
+    (default 0) optionally protects the newest tokens; every layer gets the same rule (a layer schedule can share
+    the budget unevenly). Needs no attention probabilities.
+    """
+
+    name = "knorm"
+    paper = "Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression, EMNLP 2024"
+    Params = KNormParams
+
+    def setup(self) -> None:
+        if not 0 <= self.params.recent <= self.budget:
+            raise ValueError(f"knorm: recent must be in [0, budget={self.budget}], got {self.params.recent}")
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        score = rank_newer_first(-slots.keys.float().norm(dim=-1), slots.pos)
+        return score.masked_fill(recent_mask(slots, self.params.recent), float("inf"))

@@ -1,0 +1,69 @@
+"""``random``: evict uniformly at random (a seeded baseline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.policies.base import Policy, Slots, recent_mask
+
+_U32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class RandomParams:
+    seed: int = 0
+    """Seed of the draws."""
+    recent: int = 1
+    """Newest tokens never evicted (1: the token just written, which the next query attends to; 0: none)."""
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x · c mod 2³²`` for 32-bit values in int64 tensors, without int64 overflow."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 0x10000) & _U32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the ``lowbias32`` mixer) of 32-bit values held in int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_draws(seed: int, step: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]`` float64 draws in [0, 1), a hash of (seed, KV head, ``step`` ``[B]``, ``pos`` ``[B, H, N]``)."""
+    head = torch.arange(pos.shape[1], device=pos.device)[None, :, None]
+    x = _mix(torch.full_like(pos, seed & _U32))
+    x = _mix(x ^ head)
+    x = _mix(x ^ (step[:, None, None] & _U32))
+    x = _mix(x ^ (pos & _U32))
+    return x.to(torch.float64) / 2.0**32
+
+
+class Random(Policy):
+    """Evicts uniformly at random among the tokens outside the ``recent`` newest.
+
+    A sanity baseline (the "random" eviction of the H2O and Scissorhands ablations). At every step with eviction,
+    each (row, KV head) draws a fresh uniform priority for each of its tokens and keeps the ``budget`` highest, so
+    the victims are a uniform sample of the unprotected tokens.
+
+    Choices: the newest ``recent`` tokens (default 1) are protected. The draws are not taken from a stateful
+    generator but are a hash of (``seed``, KV head, the row's newest position, the token's position): identical
+    runs evict identically, a cache reused after ``reset()`` repeats itself, and a row evicts the same tokens
+    alone or in any (left-padded) batch. Needs no attention probabilities.
+    """
+
+    name = "random"
+    paper = "uniform random eviction (baseline in H2O, Zhang et al. 2023, arXiv:2306.14048)"
+    Params = RandomParams
+
+    def setup(self) -> None:
+        if not 0 <= self.params.recent <= self.budget:
+            raise ValueError(f"random: recent must be in [0, budget={self.budget}], got {self.params.recent}")
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        draws = uniform_draws(self.params.seed, slots.last, slots.pos)
+        return draws.masked_fill(recent_mask(slots, self.params.recent), float("inf"))

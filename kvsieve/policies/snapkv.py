@@ -1,0 +1,70 @@
+"""``snapkv``: keep what an observation window of recent queries attends to, max-pooled, plus the window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvsieve.policies.base import Observation, Policy, Slots, rank_newer_first, recent_mask
+
+
+@dataclass(frozen=True)
+class SnapKVParams:
+    window: int | None = None
+    """Observation window: the newest queries whose attention is counted, and the newest tokens always kept;
+    default ``min(32, budget // 2)`` (the paper: 32)."""
+    kernel: int = 7
+    """Width of the 1-D max-pooling over positions (odd; 1 = no pooling)."""
+
+
+def pool_by_position(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``[B, H, N]``: each slot's max of ``score`` over the ``kernel`` slots around it in position order."""
+    order = pos.argsort(dim=-1, stable=True)
+    pooled = F.max_pool1d(score.gather(-1, order).reshape(-1, 1, score.shape[-1]), kernel, 1, kernel // 2)
+    return torch.empty_like(score).scatter_(-1, order, pooled.view_as(score))
+
+
+class SnapKV(Policy):
+    """Keeps the ``window`` newest tokens plus the tokens the observation window attends to most, max-pooled.
+
+    Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024 (arXiv:2404.14469), as
+    in the authors' ``SnapKVCluster`` (``pooling='maxpool'``). At the prompt: a token's score is the attention it
+    gets from the last ``window`` prompt queries (probabilities summed over those queries and over the GQA group
+    of its KV head); the scores of the tokens outside the window are max-pooled along positions (kernel
+    ``kernel``, the window's tokens excluded from the pooling), and the top ``budget - window`` of them are kept
+    with the window. A prompt that fits the budget is not compressed.
+
+    SnapKV compresses the prompt only; kvsieve keeps the cache bounded during decoding with the same rule
+    (a kvsieve choice): each decode query is in the observation window, so its attention is added to the scores;
+    when a step leaves more than ``budget`` tokens, the ``window`` newest are kept and the others compete by pooled
+    score (pooling over the held tokens in position order). Scores accumulate while a token is held. Ties of the
+    pooled scores (frequent: neighbours share a maximum) keep the newer token.
+    """
+
+    name = "snapkv"
+    paper = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv:2404.14469)"
+    needs_attention = True
+    Params = SnapKVParams
+
+    def setup(self) -> None:
+        p = self.params
+        self.window = min(32, self.budget // 2) if p.window is None else p.window
+        if not 0 <= self.window <= self.budget:
+            raise ValueError(f"snapkv: window must be in [0, budget={self.budget}], got {self.window}")
+        if p.kernel < 1 or p.kernel % 2 == 0:
+            raise ValueError(f"snapkv: kernel must be a positive odd number, got {p.kernel}")
+
+    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"score": ((), torch.float32)}
+
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        observing = obs.query_pos > (slots.last[:, None] - self.window)
+        slots.state["score"] += (obs.probs * observing[:, None, :, None]).sum(dim=2)
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        protected = recent_mask(slots, self.window)
+        score = slots.state["score"].masked_fill(protected | (slots.pos < 0), float("-inf"))
+        pooled = pool_by_position(score, slots.pos, self.params.kernel)
+        return rank_newer_first(pooled, slots.pos).masked_fill(protected, float("inf"))

@@ -1,0 +1,34 @@
+"""``topk_oracle``: each query attends to its top-``budget`` keys of the FULL cache (a reference: saves no memory)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvsieve.policies.base import Policy
+
+
+class TopKOracle(Policy):
+    """Reference only, saves NO memory: keeps every token, and each query attends to its ``budget`` best keys.
+
+    An upper bound for eviction at the same budget (the "top-k attention" oracle of sparse-attention studies, e.g.
+    Gupta et al., "Memory-efficient Transformers via Top-k Attention", 2021, arXiv:2106.06899): for every query
+    head and query, only the ``budget`` allowed keys with the highest logits ``q·k/sqrt(d)`` enter the softmax;
+    the others are masked. No eviction policy can choose better per query, since it must decide before the query
+    is known. The cache grows like ``full`` (``bounded = False``).
+
+    Choices: the budget is per query head (each query head of a GQA group picks its own keys); ties follow
+    ``torch.topk``. Needs the logits, so it runs the explicit (non-fused) attention.
+    """
+
+    name = "topk_oracle"
+    paper = "top-k attention oracle (Gupta et al., Memory-efficient Transformers via Top-k Attention, arXiv:2106.06899)"
+    needs_attention = True
+    bounded = False
+    attention_budget = True
+
+    def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        allowed = allowed[:, :, None]
+        if logits.shape[-1] <= self.budget:
+            return allowed
+        top = logits.masked_fill(~allowed, float("-inf")).topk(self.budget, dim=-1).indices
+        return torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True) & allowed

@@ -1,0 +1,47 @@
+"""``tova``: keep the tokens the current query attends to most (Token Omission Via Attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.policies.base import Observation, Policy, Slots
+
+
+@dataclass(frozen=True)
+class TOVAParams:
+    per_head: bool = False
+    """False (the paper): one score per layer, the attention averaged over all heads, so every KV head keeps the same
+    tokens. True: each KV head keeps its own tokens, scored by its GQA group's attention."""
+
+
+class TOVA(Policy):
+    """Keeps the ``budget`` tokens with the highest attention from the newest query; no accumulation.
+
+    Oren et al., "Transformers are Multi-State RNNs", 2024 (arXiv:2401.06104), as in the authors' ``TOVACache``:
+    after each step that leaves more than ``budget`` tokens, score every token (the new ones included) by the
+    attention probability it gets from the step's last query row, averaged over all heads of the layer, and keep
+    the top ``budget``. After the prompt this is one top-k by the last prompt token's attention; at each decode step
+    it evicts the token the current query attends to least. Nothing is protected.
+
+    Choices: with ``per_head=True`` the score is per KV head (its group's query heads summed), which the paper does
+    not do. With left padding the step's last query is real in every row. Ties follow ``torch.topk``.
+    """
+
+    name = "tova"
+    paper = "Oren et al., Transformers are Multi-State RNNs, 2024 (arXiv:2401.06104)"
+    needs_attention = True
+    Params = TOVAParams
+
+    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"score": ((), torch.float32)}
+
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        last = obs.probs[:, :, -1]  # the block's last query; the step's last block is observed last
+        if not self.params.per_head:
+            last = last.sum(dim=1, keepdim=True).expand_as(last)
+        slots.state["score"].copy_(last)
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return slots.state["score"]
