@@ -8,9 +8,10 @@ fed one at a time, so each later prediction sees only what the policy kept.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ class PerplexityResult:
     state_bytes: int
     seconds: float
     stream_tok_s: float
+    curve: list[dict[str, float]] = field(default_factory=list)
+    """With ``curve_every``: per interval, tokens scored so far, the interval's perplexity, RSS and KV bytes."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,13 +86,17 @@ def stream_perplexity(
     prefill: int | None = None,
     engine: str = "whole",
     progress: bool = True,
+    rolling: bool = False,
+    curve_every: int | None = None,
     **policy_kwargs: Any,
 ) -> tuple[PerplexityResult, SieveCache]:
     """Perplexity of ``input_ids`` (``[1, L]`` or ``[L]``) under ``policy`` at ``budget``.
 
     ``budget`` may be a ratio of ``L``. The first ``prefill`` tokens (default: the budget) are processed in one
     pass with full attention among themselves; every later token is streamed through the evicting cache
-    (``engine``: see :func:`stream_logits`). Returns the result and the cache (which has seen all but the last
+    (``engine``: see :func:`stream_logits`). ``rolling``: position rolling (see :func:`kvsieve.make_cache`), for
+    texts longer than the model's positions. ``curve_every``: record a point of the curve every that many streamed
+    tokens (rounded up to the engine's chunk). Returns the result and the cache (which has seen all but the last
     token).
     """
     ids = input_ids.reshape(1, -1).to(model.device)
@@ -102,15 +109,24 @@ def stream_perplexity(
         raise ValueError(f"prefill must be in [1, {length - 1}] for a text of {length} tokens, got {prefill}")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    cache = make_cache(model, policy, budget_tokens, **policy_kwargs)
+    cache = make_cache(model, policy, budget_tokens, rolling=rolling, **policy_kwargs)
     start = time.perf_counter()
     logits = model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits
     nll = _nll(logits, ids[:, 1 : prefill + 1])
     stream_start = time.perf_counter()
     rest = ids[:, prefill : length - 1]
+    curve: list[dict[str, float]] = []
+    interval_nll, interval_tokens = 0.0, 0
     for offset, chunk_logits in stream_logits(model, cache, rest, engine, progress):
         first = prefill + 1 + offset
-        nll += _nll(chunk_logits, ids[:, first : first + chunk_logits.shape[1]])
+        chunk_nll = _nll(chunk_logits, ids[:, first : first + chunk_logits.shape[1]])
+        nll += chunk_nll
+        interval_nll += chunk_nll.item()
+        interval_tokens += chunk_logits.shape[1]
+        if curve_every and (interval_tokens >= curve_every or first + chunk_logits.shape[1] == length):
+            point = {"tokens": first + chunk_logits.shape[1] - 1, "ppl": math.exp(interval_nll / interval_tokens)}
+            curve.append(point | {"rss_mb": rss_mb(), "kv_bytes": cache.kv_nbytes()})
+            interval_nll, interval_tokens = 0.0, 0
     end = time.perf_counter()
     scored = length - 1
     mean = nll.item() / scored
@@ -127,5 +143,17 @@ def stream_perplexity(
         state_bytes=cache.state_nbytes(),
         seconds=end - start,
         stream_tok_s=rest.shape[1] / (end - stream_start) if rest.shape[1] else float("nan"),
+        curve=curve,
     )
     return result, cache
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (current on Linux, peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

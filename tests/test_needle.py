@@ -1,0 +1,50 @@
+"""Passkey retrieval: prompt construction, scoring, the heat map."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvsieve
+from kvsieve.data import builtin_text
+from kvsieve.evaluation.needle import NEEDLE, QUESTION, NeedleCell, build_prompt, plot_needle, run_needle
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return kvsieve.load_model("smollm2-135m")
+
+
+def test_prompt_has_the_needle_at_the_requested_depth_and_about_the_length(smol):
+    _, tok = smol
+    hay = tok(builtin_text(min_chars=20000), add_special_tokens=False).input_ids
+    for depth in (0.0, 0.5, 1.0):
+        prompt = build_prompt(tok, hay, 300, depth, 12345, offset=100)
+        needle_at = prompt.index(NEEDLE.format(key=12345))
+        assert prompt.endswith(QUESTION)
+        assert abs(len(tok(prompt, add_special_tokens=False).input_ids) - 300) <= 4
+        share = needle_at / len(prompt)
+        assert abs(share - depth) < 0.1, (depth, share)
+    with pytest.raises(ValueError, match="too short"):
+        build_prompt(tok, hay, 20, 0.5, 12345, offset=0)
+
+
+@pytest.mark.slow
+def test_full_cache_finds_a_late_needle_and_a_tiny_local_window_loses_an_early_one(smol, tmp_path):
+    model, tok = smol
+    hay = builtin_text(min_chars=20000)
+    found = run_needle(model, tok, hay, lengths=[200], depths=[0.0, 1.0], trials=2, policy="full", progress=False)
+    lost = run_needle(model, tok, hay, lengths=[200], depths=[0.0], trials=2, policy="local", budget=16, progress=False)
+    assert sum(c.correct for c in found) >= 3
+    assert lost[0].correct == 0
+    assert all(len(c.answers) == 2 for c in [*found, *lost])
+    png = plot_needle(found + lost, tmp_path / "needle.png")
+    assert png.stat().st_size > 1000
+
+
+def test_bad_grid_arguments_are_rejected(smol):
+    model, tok = smol
+    with pytest.raises(ValueError, match="depths"):
+        run_needle(model, tok, "text " * 500, lengths=[100], depths=[1.5], progress=False)
+    with pytest.raises(ValueError, match="at least one"):
+        run_needle(model, tok, "text " * 500, lengths=[], progress=False)
+    assert NeedleCell(100, 0.5, 4, 3, []).accuracy == 0.75
