@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from kvsieve.policies.ahakv import AhaKV
 from kvsieve.policies.base import NoParams, Observation, Policy, Slots
+from kvsieve.policies.fixed import Fixed
 from kvsieve.policies.full import Full
 from kvsieve.policies.h2o import H2O
+from kvsieve.policies.knorm import KNorm
 from kvsieve.policies.local import Local
+from kvsieve.policies.random import Random
+from kvsieve.policies.scissorhands import Scissorhands
+from kvsieve.policies.snapkv import SnapKV
 from kvsieve.policies.streaming_llm import StreamingLLM
+from kvsieve.policies.strided import Strided
+from kvsieve.policies.topk_oracle import TopKOracle
+from kvsieve.policies.tova import TOVA
 
 REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
@@ -15,6 +24,15 @@ REGISTRY: dict[str, type[Policy]] = {
         Local,
         StreamingLLM,
         H2O,
+        Scissorhands,
+        AhaKV,
+        Strided,
+        Fixed,
+        Random,
+        TOVA,
+        SnapKV,
+        KNorm,
+        TopKOracle,
     )
 }
 

@@ -11,6 +11,9 @@ engine owns the storage (slots) and calls the policy at each forward step of tha
 3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot; the engine keeps the ``n_keep`` highest
    (``+inf`` = protected). Empty and padding slots are never kept in place of real tokens.
 
+A policy with ``needs_attention`` may also ``narrow(logits, allowed)`` the keys each query head attends to (the
+default changes nothing); ``topk_oracle`` uses it.
+
 Per-slot state is declared by ``state_spec`` and stored by the engine next to the keys (slot dimension 2), so it
 moves with its token when slots are evicted, compacted or reordered. New slots start at zero.
 """
@@ -64,6 +67,8 @@ class Observation:
     """``[B, H, b, N]`` bool: the slots each query attended to."""
     query_pos: torch.Tensor
     """``[B, b]`` positions of the queries (-1 = padding)."""
+    step_rows: int
+    """Query rows of the whole step, over all its blocks (padding included): 1 for a decode step."""
 
 
 class Policy:
@@ -79,16 +84,24 @@ class Policy:
     """Whether the policy needs the attention probabilities (policies that do not never pay for computing them)."""
     bounded: ClassVar[bool] = True
     """Whether the policy enforces a budget (``full`` does not)."""
+    attention_budget: ClassVar[bool] = False
+    """Whether an unbounded policy still takes a budget, as the number of keys each query attends to
+    (``topk_oracle``): it keeps every token but may :meth:`narrow` the attention."""
     Params: ClassVar[type] = NoParams
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         self.params = self.Params() if params is None else params
         if not isinstance(self.params, self.Params):
             raise TypeError(f"{self.name}: params must be a {self.Params.__name__}, got {type(self.params).__name__}")
-        if self.bounded and (budget is None or budget <= 0):
+        if self.takes_budget() and (budget is None or budget <= 0):
             raise ValueError(f"{self.name}: budget must be a positive number of tokens, got {budget}")
-        self.budget = budget if self.bounded else None
+        self.budget = budget if self.takes_budget() else None
         self.setup()
+
+    @classmethod
+    def takes_budget(cls) -> bool:
+        """Whether the policy uses a budget (bounded, or an attention budget)."""
+        return cls.bounded or cls.attention_budget
 
     def setup(self) -> None:
         """Validate the parameters against the budget and derive the budget split (raise ValueError)."""
@@ -110,9 +123,17 @@ class Policy:
     def observe(self, slots: Slots, obs: Observation) -> None:
         """Accumulate statistics from one block of query rows (called only when ``needs_attention``)."""
 
+    def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """``[B, H, G, b, N]`` bool: the slots each query head attends to (called only when ``needs_attention``).
+
+        ``logits`` ``[B, H, G, b, N]`` are the fp32 scaled logits, ``allowed`` ``[B, H, b, N]`` the engine's mask
+        (causality, padding, window); the result must be a subset of it. Default: ``allowed`` unchanged (a view).
+        """
+        return allowed[:, :, None]
+
     def n_keep(self, n: int) -> int:
         """Slots to keep after a step that left ``n`` slots."""
-        return n if self.budget is None else min(n, self.budget)
+        return min(n, self.budget) if self.bounded else n
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         """``[B, H, N]`` priority of each slot (higher = kept). Default: recency."""
@@ -132,3 +153,13 @@ class Policy:
 def recent_mask(slots: Slots, recent: int) -> torch.Tensor:
     """``[B, H, N]`` True for the ``recent`` newest real tokens of each row."""
     return slots.age < recent
+
+
+def rank_newer_first(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]`` rank of each slot by ``score`` (0 = lowest), equal scores ranked by position (newer higher):
+    a priority for ``keep_scores`` whose ties do not depend on the slot layout."""
+    order = pos.argsort(dim=-1, stable=True)
+    ranking = score.gather(-1, order).argsort(dim=-1, stable=True)
+    ranks = torch.arange(score.shape[-1], device=score.device).expand_as(ranking)
+    ranks = torch.empty_like(ranking).scatter_(-1, ranking, ranks)
+    return torch.empty_like(score).scatter_(-1, order, ranks.to(score.dtype))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,17 @@ class H2OParams:
     """Recent-window slots; default ``int(budget · recent_ratio)``."""
     recent_ratio: float = 0.5
     """Share of the budget given to the recent window when ``recent`` is not set (the paper: half/half)."""
+    transform: str = "identity"
+    """Score function ``h``: ``identity``, ``sqrt`` (``sqrt(z+1)``) or ``log`` (``log(z+1)``); see the class doc."""
+    normalize: bool = False
+    """Divide the score by the number of query rows that have seen the token (mean instead of sum)."""
+
+
+TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "identity": lambda z: z,
+    "sqrt": lambda z: (z + 1).sqrt(),
+    "log": torch.log1p,
+}
 
 
 class H2O(Policy):
@@ -32,6 +44,22 @@ class H2O(Policy):
 
     Choices: padding queries add nothing; the original code assumes batch size 1 and sums the batch dimension,
     here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``.
+
+    Variants:
+
+    - ``recent=0`` (or ``recent_ratio=0``): heavy hitters only, the paper's "w. H2" ablation — the newest token
+      competes like any other.
+    - ``transform`` ``h``: we read the score function of the paper's submodular analysis as
+      ``F(S) = Σ_rows h(attention mass the row puts on the kept set S)`` for a concave ``h``, the greedy step
+      evicting the token whose removal lowers ``F`` least; ``h`` = identity gives the accumulated attention above.
+      (A monotone ``h`` of the accumulated score alone would change no top-k: it only matters where terms
+      combine.) Each row adds, per query head, the token's marginal value ``h(1) - h(1 - a)`` (the row's mass
+      over the slots it attended is 1 when it is observed), summed over the group's heads and the rows. The
+      marginal is frozen then: re-evaluating it after later evictions would need every past row's attention.
+      With ``sqrt(z+1)`` or ``log(z+1)`` it is convex in ``a``: one strong attention outweighs several weak ones
+      of the same total.
+    - ``normalize``: the score divided by the number of query rows that have seen the token (its age + 1, its own
+      row included) — the mean attention, de-biased against old tokens, as in Cold Compress's H2O variant.
     """
 
     name = "h2o"
@@ -48,6 +76,8 @@ class H2O(Policy):
             raise ValueError(f"h2o: recent must be >= 0, got {recent}")
         if recent > self.budget:
             raise ValueError(f"h2o: recent window ({recent}) is larger than the budget ({self.budget})")
+        if p.transform not in TRANSFORMS:
+            raise ValueError(f"h2o: transform must be one of {', '.join(TRANSFORMS)}, got {p.transform!r}")
         self.recent = recent
         self.heavy = self.budget - recent
 
@@ -55,7 +85,17 @@ class H2O(Policy):
         return {"score": ((), torch.float32)}
 
     def observe(self, slots: Slots, obs: Observation) -> None:
-        slots.state["score"] += obs.probs.sum(dim=2)
+        if self.params.transform == "identity":
+            gain = obs.probs  # h(1) - h(1 - a) = a: the group-summed probabilities
+        else:
+            h = TRANSFORMS[self.params.transform]
+            probs = obs.logits.softmax(dim=-1)
+            marginal = (h(torch.ones_like(probs)) - h(1 - probs)).sum(dim=2)
+            gain = marginal * (obs.query_pos >= 0)[:, None, :, None]
+        slots.state["score"] += gain.sum(dim=2)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        return slots.state["score"].masked_fill(recent_mask(slots, self.recent), float("inf"))
+        score = slots.state["score"]
+        if self.params.normalize:
+            score = score / (slots.age + 1)
+        return score.masked_fill(recent_mask(slots, self.recent), float("inf"))

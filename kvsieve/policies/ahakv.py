@@ -1,0 +1,113 @@
+"""``ahakv``: accumulated attention made position-unbiased (recent rows, step-gain softmax) and value-aware."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvsieve.policies.base import Observation, Policy, Slots, recent_mask
+
+
+@dataclass(frozen=True)
+class AhaKVParams:
+    recent: int | None = None
+    """Recent budget ``B_r`` — always kept, and the number of last prompt rows RA accumulates; default
+    ``min(32, max(1, budget // 2))`` (the paper: 32)."""
+    ra: bool = True
+    """Recent Accumulation: prompt scores sum only the last ``recent`` query rows (off: every row, as H2O)."""
+    sgs: bool = True
+    """Step-gain softmax for the scores (off: the model's own attention probabilities)."""
+    vpe: bool = True
+    """Value prior: prompt scores multiplied by the normalised, pooled squared norms of the values (off: × 1)."""
+    kernel: int = 5
+    """Odd window of the value prior's average pooling (our choice; the paper does not state it)."""
+
+
+def step_gain_probs(obs: Observation, budget: int) -> torch.Tensor:
+    """``[B, H, b, N]`` SG-softmax of each row, the group's query heads summed (padding rows zero)."""
+    seen = (obs.query_pos + 1).float()  # tokens the row has seen in total (its own included)
+    gain = (2 * torch.log(seen / budget)).clamp(min=0).sqrt()  # 0 (uniform) while seen <= budget
+    logits = (obs.logits * gain[:, None, None, :, None]).masked_fill(~obs.allowed[:, :, None], float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=2) * (obs.query_pos >= 0)[:, None, :, None]
+
+
+def value_prior(slots: Slots, kernel: int) -> torch.Tensor:
+    """``[B, H, N]`` γ̄: per (row, head), ``ν = ||V||²`` average-pooled over the real tokens in position order (a
+    centred window of ``kernel`` tokens, truncated at the ends), divided by its maximum; 0 for empty slots."""
+    real = slots.pos >= 0
+    order = slots.pos.argsort(dim=-1)  # empty slots (-1) first, then the tokens by position
+    nu = (slots.values.float().square().sum(dim=-1) * real).gather(-1, order)
+    count = real.gather(-1, order).float()
+    shape = nu.shape
+    pool = [F.avg_pool1d(t.reshape(-1, 1, shape[-1]), kernel, 1, kernel // 2).reshape(shape) for t in (nu, count)]
+    gamma = pool[0] / pool[1].clamp(min=1e-6) * count
+    gamma = gamma / gamma.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(gamma.dtype).tiny)
+    return torch.empty_like(gamma).scatter_(-1, order, gamma)
+
+
+class AhaKV(Policy):
+    """AhaKV: adaptive holistic attention — unbiased accumulated attention plus a value prior.
+
+    Gu et al., "AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient Inference of Large
+    Language Models", 2025 (arXiv:2506.03762). Budget ``B = B_r + B_s``; after every step that leaves more than
+    ``B`` tokens, keep the last ``B_r`` tokens and the ``B_s`` best-scored others (TopK(F, B_s) ∪ last B_r). Per
+    (batch row, KV head), the score ``F`` of a token is:
+
+    - prompt (a step of several query rows): the sum of its SG-softmax attention over the step's last ``B_r`` rows
+      only (**RA**, Recent Accumulation — every token of the prompt outside the window gets the same number of
+      terms, which removes H2O's bias towards early tokens), times the value prior ``γ̄`` (**VPE**). Rows are
+      selected by position (``query_pos > last - B_r``), so a prompt scored in several row blocks is handled;
+    - decode: ``F_t = SGsoftmax(A_t) + F_{t-1}`` over the kept tokens.
+
+    **SGS** (step-gain softmax). A row that has seen ``i`` tokens scores them with ``softmax(λ q·k)``,
+    ``λ = sqrt(2 ln(i/k) / d)`` (``k = B``, ``d`` = head dim), i.e. the model's scaled logits ``q·k/sqrt(d)`` times
+    ``sqrt(2 ln(i/k))``. Derivation: with ``q·k ~ N(0, d)`` the logits ``λ q·k`` are i.i.d. ``N(0, σ²)``,
+    ``σ² = λ²d``, and the softmax over ``i`` of them has expected entropy ``E[H] ≈ ln i + σ²/2 - σ² = ln i - λ²d/2``
+    (``E ln Σe^x ≈ ln(i e^{σ²/2})``, ``E Σ p x ≈ σ²``); asking ``E[H] = ln k`` — attention spread over about ``k``
+    tokens whatever the length — gives the ``λ`` above. For ``i <= k`` no real ``λ`` exists (the target entropy
+    is at least the maximum ``ln i``); we take the limit ``λ = 0``: the uniform distribution ``1/i``. Only the
+    scores use SGS; the model's attention output is exact.
+
+    **VPE** (value prior). ``ν_j = ||V_j||²``, ``γ = AvgPool1d(ν)`` over the (row, head)'s tokens in position
+    order (window ``kernel`` centred on the token, truncated at the ends: the mean over the tokens it covers),
+    ``γ̄ = γ / max γ``; applied to the contributions of multi-row steps (a prompt, or each chunk of a chunked
+    prompt), over the slots held at that step.
+
+    Ablations: ``ra=False`` accumulates every prompt row; ``sgs=False`` uses the plain probabilities;
+    ``vpe=False`` sets ``γ̄ = 1``. Choices: a GQA group's query heads are scored separately (SG-softmax per head)
+    and summed, as H2O does; padding queries add nothing.
+    """
+
+    name = "ahakv"
+    paper = "Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction, 2025 (arXiv:2506.03762)"
+    needs_attention = True
+    Params = AhaKVParams
+
+    def setup(self) -> None:
+        p = self.params
+        recent = min(32, max(1, self.budget // 2)) if p.recent is None else p.recent
+        if not 0 <= recent <= self.budget:
+            raise ValueError(f"ahakv: recent must be in [0, budget={self.budget}], got {recent}")
+        if p.ra and recent == 0:
+            raise ValueError("ahakv: recent must be >= 1 with ra=True (RA accumulates the last `recent` rows)")
+        if p.kernel < 1 or p.kernel % 2 == 0:
+            raise ValueError(f"ahakv: kernel must be a positive odd number, got {p.kernel}")
+        self.recent = recent
+
+    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"score": ((), torch.float32)}
+
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        p = self.params
+        probs = step_gain_probs(obs, self.budget) if p.sgs else obs.probs
+        if p.ra:
+            probs = probs * (obs.query_pos > slots.last[:, None] - self.recent)[:, None, :, None]
+        gain = probs.sum(dim=2)
+        if p.vpe and obs.step_rows > 1:
+            gain *= value_prior(slots, p.kernel)
+        slots.state["score"] += gain
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return slots.state["score"].masked_fill(recent_mask(slots, self.recent), float("inf"))

@@ -1,0 +1,94 @@
+"""``scissorhands``: drop the tokens that most often received less than their uniform share of attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvsieve.policies.base import Observation, Policy, Slots, recent_mask
+
+
+@dataclass(frozen=True)
+class ScissorhandsParams:
+    window: int = 100
+    """History window ``w``: the last ``w`` attention rows (query tokens) whose low-attention events count."""
+    recent: int | None = None
+    """Recent window ``r`` (never dropped); default ``min(10, budget + 1 - drop)``."""
+    drop: int | None = None
+    """Tokens dropped per compression ``m``; default ``max(1, budget // 2)`` (the paper's experiments: B/2)."""
+
+
+class Scissorhands(Policy):
+    """Scissorhands: keep the pivotal tokens, i.e. drop those that keep getting below-average attention.
+
+    Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache Compression at
+    Test Time", NeurIPS 2023 (arXiv:2305.17118), Algorithms 1 and 2, per (batch row, KV head):
+
+    - a query row that attended to ``t`` tokens marks every token it gave less than the uniform share ``1/t`` as
+      *unimportant*; a token's count is the number of such marks from the last ``w`` rows (the history window);
+    - the ``r`` newest tokens (the recent window) are never dropped (the paper's ``I[:-r] ← 0`` means the last r);
+    - when a decode step leaves ``B + 1`` tokens, the ``m`` tokens with the highest counts are dropped at once, so
+      the cache goes ``B+1-m, B+2-m, ..., B`` and compresses every ``m`` steps — exactly Algorithm 1, which
+      compresses the ``B`` cached tokens to ``B - m`` and then appends the new one. ``n_keep`` tells a decode step
+      from a multi-token one (a prompt) by ``n - B``: more than one token over the budget → keep exactly ``B``
+      (a prompt of exactly ``B + 1`` tokens is treated like a decode step and keeps ``B + 1 - m``).
+
+    Defaults: ``w = 100`` and ``r = 10`` as in the authors' released code; ``m = B/2`` as in the paper's experiments
+    (for small budgets ``r`` shrinks so that ``m`` tokens outside it can always be dropped).
+
+    Choices where the paper is silent:
+
+    - GQA: a row marks a token when the mean over the group's query heads of its probability is below ``1/t``
+      (the group-summed probability below ``G/t``), so the group acts as one attention head of the KV head.
+    - The window is kept exactly: every slot holds a ring buffer of ``w`` bits, one per row of the window, indexed
+      by the row's position mod ``w``; a row rewrites its column for every slot (marked or not). Rows from before a
+      token existed do not count (a new slot starts at zero and such rows never attended it), so a young token has
+      had fewer chances to be marked. Memory: ``w`` bytes (torch bools) per slot, KV head and layer — 100 bytes
+      next to 256 bytes of bf16 K+V for head_dim 64; packing bits would divide it by 8.
+    - Ties in the count: the older token is dropped first. Padding queries mark nothing.
+    """
+
+    name = "scissorhands"
+    paper = "Liu et al., Scissorhands: Persistence of Importance, NeurIPS 2023 (arXiv:2305.17118)"
+    needs_attention = True
+    Params = ScissorhandsParams
+
+    def setup(self) -> None:
+        p = self.params
+        if p.window < 1:
+            raise ValueError(f"scissorhands: window must be >= 1, got {p.window}")
+        drop = max(1, self.budget // 2) if p.drop is None else p.drop
+        if not 1 <= drop <= self.budget:
+            raise ValueError(f"scissorhands: drop must be in [1, budget={self.budget}], got {drop}")
+        recent = min(10, self.budget + 1 - drop) if p.recent is None else p.recent
+        if not 0 <= recent <= self.budget + 1 - drop:
+            raise ValueError(
+                f"scissorhands: recent must be in [0, budget + 1 - drop = {self.budget + 1 - drop}], got {recent}"
+            )
+        self.drop, self.recent = drop, recent
+
+    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"low": ((self.params.window,), torch.bool)}
+
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        w = self.params.window
+        # Only the block's last w rows can still be in the window; their positions are distinct mod w.
+        probs, allowed, query_pos = obs.probs[:, :, -w:], obs.allowed[:, :, -w:], obs.query_pos[:, -w:]
+        attended = allowed.sum(dim=-1, keepdim=True)
+        low = allowed & (probs < obs.logits.shape[2] / attended)  # [B, H, b, N]
+        column = F.one_hot(query_pos.clamp(min=0) % w, w) * (query_pos >= 0)[..., None]  # [B, b, w]
+        marks = torch.einsum("bhrn,brc->bhnc", low.float(), column.float()) > 0
+        ring = slots.state["low"]
+        ring.copy_(torch.where(column.any(dim=1)[:, None, None, :], marks, ring))
+
+    def n_keep(self, n: int) -> int:
+        if n <= self.budget:
+            return n
+        return self.budget if n - self.budget > 1 else n - self.drop
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        count = slots.state["low"].sum(dim=-1)
+        score = (slots.pos - count * (slots.last[:, None, None] + 1)).double()  # fewest marks first, then newest
+        return score.masked_fill(recent_mask(slots, self.recent), float("inf"))
