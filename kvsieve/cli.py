@@ -58,6 +58,15 @@ def _policy_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -
         metavar="KEY=VALUE",
         help="policy parameter, repeatable (e.g. -p recent=64)",
     )
+    _schedule_arg(parser)
+
+
+def _schedule_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schedule",
+        default="uniform",
+        help="how the budget is shared among layers, same total: uniform (default), increasing, pyramid, profiled",
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -77,10 +86,12 @@ def _text(args: argparse.Namespace) -> str:
 
 def cmd_data(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.data import ensure_data
+    from kvsieve.evaluation.tasks import ensure_task_pack
     from kvsieve.models import ensure_model
 
     paths = {name: str(ensure_model(name)) for name in args.models}
     paths.update({name: str(path) for name, path in ensure_data().items()})
+    paths["lm_eval_tasks"] = str(ensure_task_pack())
     return {"fetched": paths}
 
 
@@ -101,6 +112,8 @@ def cmd_policies(args: argparse.Namespace) -> dict[str, Any]:
                 "paper": cls.paper,
                 "needs_attention": cls.needs_attention,
                 "bounded": cls.bounded,
+                "saves_memory": cls.bounded,
+                "takes_budget": cls.takes_budget(),
                 "params": params,
                 "summary": (cls.__doc__ or "").strip().splitlines()[0],
             }
@@ -124,6 +137,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         budget=args.budget,
         max_new_tokens=args.max_new_tokens,
         policy_kwargs=dict(args.param),
+        schedule=args.schedule,
     )
     return {
         "policy": args.policy,
@@ -151,9 +165,38 @@ def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
         prefill=args.prefill,
         engine=args.engine,
         progress=not args.json,
+        rolling=args.rolling,
+        curve_every=args.curve_every or (512 if args.plot else None),
+        schedule=args.schedule,
         **dict(args.param),
     )
+    if args.plot:
+        from kvsieve.evaluation.plots import plot_stream_curves
+
+        plot_stream_curves([result], args.plot, title=f"{args.model}, rolling={args.rolling}")
     return result.to_dict()
+
+
+def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.data import builtin_text
+    from kvsieve.evaluation.needle import plot_needle, run_needle
+
+    model, tokenizer = _load(args)
+    cells = run_needle(
+        model,
+        tokenizer,
+        builtin_text(),
+        lengths=args.lengths,
+        depths=args.depths,
+        trials=args.trials,
+        policy=args.policy,
+        budget=args.budget,
+        progress=not args.json,
+        **dict(args.param),
+    )
+    if args.plot:
+        plot_needle(cells, args.plot, title=f"{args.policy}, budget {args.budget}")
+    return {"policy": args.policy, "budget": args.budget, "cells": [c.to_dict() for c in cells]}
 
 
 def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,8 +213,85 @@ def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
         max_tokens=args.max_tokens,
         sample_tokens=args.sample_tokens,
         progress=not args.json,
+        schedule=args.schedule,
     )
     return {"model": args.model, "budget": args.budget, "rows": [r.to_dict() for r in rows]}
+
+
+def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.benchmarks import bench
+
+    model, tokenizer = _load(args)
+    if args.profile:
+        return {"profile": bench.profile_decode(model, bench.prompt_tokens(tokenizer, bench.PROFILE_PROMPT))}
+    return bench.benchmark(
+        model,
+        tokenizer,
+        lengths=bench.pair_lengths(args.prompt_lens, args.gen_lens),
+        batches=args.batches,
+        policies=args.policies,
+        budget=args.budget,
+        repeats=args.repeats,
+        targets=args.targets,
+        mem_cap_gb=args.mem_cap_gb,
+        plot=args.plot,
+        title=args.model,
+    )
+
+
+def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation.lm_eval_model import KVSieveLM
+    from kvsieve.evaluation.summarization import evaluate_xsum
+
+    model, tokenizer = _load(args)
+    lm = KVSieveLM(
+        model=model,
+        tokenizer=tokenizer,
+        policy=args.policy,
+        budget=args.budget,
+        protocol=args.protocol,
+        batch_size=args.batch_size,
+        **dict(args.param),
+    )
+    result = evaluate_xsum(lm, args.limit, args.max_new_tokens, progress=not args.json).to_dict()
+    samples = result.pop("samples")
+    return {"policy": args.policy, "budget": args.budget, "protocol": args.protocol, **result, "first": samples[0]}
+
+
+def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation import sweep
+
+    result = sweep.run_sweep(
+        args.out,
+        args.tasks,
+        args.policies or sweep.DEFAULT_POLICIES,
+        args.budgets or sweep.DEFAULT_BUDGETS,
+        settings=sweep.Settings(model=args.model, limit=args.limit, protocol=args.protocol, ppl_tokens=args.ppl_tokens),
+        jobs=args.jobs,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        progress=not args.json,
+    )
+    return {"computed": result.computed, "files": result.files, "rows": result.rows, "table": result.table}
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """lm-eval's own command line, with the ``kvsieve`` model registered and the offline task pack included."""
+    from lm_eval.__main__ import cli_evaluate
+
+    import kvsieve.evaluation.lm_eval_model  # noqa: F401  (registers --model kvsieve)
+    from kvsieve.evaluation.tasks import PREFIX, ensure_task_pack, tasks_dir
+
+    argv = list(args.lm_eval_args)
+    if "--include_path" not in argv and (tasks_dir().exists() or any(PREFIX in a for a in argv)):
+        argv += ["--include_path", str(ensure_task_pack())]
+    saved, sys.argv = sys.argv, ["lm-eval", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return {}
 
 
 def _print_human(command: str, result: dict[str, Any]) -> None:
@@ -184,7 +304,9 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         for row in result["policies"]:
             flag = "needs attention" if row["needs_attention"] else "no attention needed"
             params = ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"
-            print(f"{row['name']:<14} {flag:<20} params: {params}\n{'':14} {row['summary']}\n{'':14} {row['paper']}")
+            memory = "" if row["saves_memory"] else "  [keeps every token: saves no memory]"
+            print(f"{row['name']:<14} {flag:<20} params: {params}{memory}")
+            print(f"{'':14} {row['summary']}\n{'':14} {row['paper']}")
     elif command == "generate":
         print(result["text"])
         print(
@@ -193,6 +315,17 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
             f"KV {result['kv_bytes'] / 2**20:.2f} MiB]",
             file=sys.stderr,
         )
+    elif command == "needle":
+        print(f"passkey retrieval, {result['policy']} at budget {result['budget']} (exact match)")
+        for cell in result["cells"]:
+            print(f"  length {cell['length']:>6}  depth {cell['depth']:>5.0%}  {cell['correct']}/{cell['trials']}")
+    elif command == "bench":
+        from kvsieve.benchmarks.bench import format_report
+
+        print(format_report(result))
+    elif command == "sweep":
+        print(result["table"])
+        print(f"{result['computed']} cell(s) computed; outputs:", *result["files"].values(), sep="\n  ")
     else:
         for key, value in result.items():
             print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
@@ -204,6 +337,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "generate": cmd_generate,
     "ppl": cmd_ppl,
     "compare": cmd_compare,
+    "needle": cmd_needle,
+    "bench": cmd_bench,
+    "xsum": cmd_xsum,
+    "sweep": cmd_sweep,
+    "lm-eval": cmd_lm_eval,
 }
 
 
@@ -224,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt")
     p.add_argument("--prompt-file", help="read the prompt from a file")
     p.add_argument("--max-new-tokens", type=int, default=64)
+
+    p = sub.add_parser("needle", help="passkey retrieval in a real Wikipedia haystack: accuracy grid (length × depth)")
+    _common(p)
+    _policy_args(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="context lengths (tokens)")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
+    p.add_argument("--trials", type=int, default=3, help="trials per cell")
+    p.add_argument("--plot", help="write the accuracy heat map to this PNG")
 
     for name, help_text in (
         ("ppl", "perplexity of a text streamed through a bounded cache"),
@@ -246,10 +392,63 @@ def build_parser() -> argparse.ArgumentParser:
                 help="whole: long forward passes with per-token eviction inside each layer (same logits, faster); "
                 "decode: one forward pass per token",
             )
+            p.add_argument(
+                "--rolling", action="store_true", help="position rolling: RoPE positions by rank within the cache"
+            )
+            p.add_argument("--curve-every", type=int, default=None, help="record ppl/RSS every N streamed tokens")
+            p.add_argument("--plot", help="write a PNG of perplexity and memory vs tokens streamed")
         else:
             p.add_argument("--budget", type=_budget, default=0.2, help="tokens or ratio (default 0.2)")
             p.add_argument("--policies", nargs="+", default=["full", "local", "streaming_llm", "h2o"])
             p.add_argument("--sample-tokens", type=int, default=32, help="greedy continuation length (decode speed)")
+            _schedule_arg(p)
+
+    from kvsieve.benchmarks import bench
+
+    p = sub.add_parser("bench", help="speed and memory of the policies vs DynamicCache and the no-eviction floor")
+    _common(p)
+    prompts, gens = zip(*bench.DEFAULT_POINTS, strict=True)
+    p.add_argument("--prompt-lens", nargs="+", type=int, default=list(prompts), help="prompt tokens (%(default)s)")
+    p.add_argument("--gen-lens", nargs="+", type=int, default=list(gens), help="paired with the prompts (%(default)s)")
+    p.add_argument(
+        "--batches", nargs="+", type=int, default=list(bench.DEFAULT_BATCHES), help="batch sizes (%(default)s)"
+    )
+    p.add_argument("--policies", nargs="+", default=list(bench.DEFAULT_POLICIES), help="+ references (%(default)s)")
+    p.add_argument("--budget", type=_budget, default=bench.DEFAULT_BUDGET, help="tokens (default 512) or a ratio")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell; medians are reported")
+    p.add_argument("--plot", help="write a PNG of decode tokens/s vs context length")
+    p.add_argument("--targets", action="store_true", help="run exactly the cells of the issue's targets (budget 512)")
+    p.add_argument("--mem-cap-gb", type=float, help="also the largest batch under this memory, full vs each policy")
+    p.add_argument("--profile", action="store_true", help="only profile h2o decode steps (budget 512, 2048 prompt)")
+
+    p = sub.add_parser("xsum", help="ROUGE-1/2/L of XSum summaries generated under a bounded cache")
+    _common(p)
+    _policy_args(p)
+    p.add_argument("--limit", type=int, default=10, help="articles (default 10; the set has 1,001)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
+    p.add_argument("--batch-size", type=int, default=8)
+
+    p = sub.add_parser("sweep", help="metric vs budget for policies × tasks: resumable, with tables and plots")
+    _common(p)
+    p.add_argument("--out", required=True, help="output directory (finished cells in it are not recomputed)")
+    p.add_argument("--tasks", nargs="+", default=["ppl"], help="ppl, xsum, pack tasks (social_iqa, ...), lm-eval tasks")
+    p.add_argument("--policies", nargs="+", help="default: full local streaming_llm h2o")
+    p.add_argument("--budgets", nargs="+", type=_budget, help="ratios or tokens; default 4%% 10%% 20%% 60%% 100%%")
+    p.add_argument("--limit", type=int, help="examples per (sub)task / XSum articles (default: all)")
+    p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of Wikipedia text for the ppl task")
+    p.add_argument("--jobs", type=int, default=1, help="processes computing cells (default 1)")
+    p.add_argument("--threads", type=int, help="torch threads per process (1 is fastest on a busy machine)")
+
+    p = sub.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness's own CLI with --model kvsieve available and the task pack included",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments, e.g. --model kvsieve ...")
+    p.set_defaults(json=False)
     return parser
 
 

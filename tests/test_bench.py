@@ -1,0 +1,295 @@
+"""The benchmark harness: the floor cache, run order, figures and their consistency, targets, memory-cap batches,
+the CLI. No timing assertions: only the relations between the figures are checked."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvsieve.benchmarks import bench
+from kvsieve.benchmarks.floor import FloorCache
+from kvsieve.cli import main
+
+REQUIRED = (
+    "policy",
+    "budget_tokens",
+    "prompt_tokens",
+    "gen_tokens",
+    "batch",
+    "prefill_s",
+    "decode_tok_s",
+    "throughput_tok_s",
+    "step_ms_p50",
+    "step_ms_p90",
+    "peak_rss_mb",
+    "kv_bytes",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_factory):
+    """A private tiny GQA Llama (the harness switches attention implementations, so no shared fixture)."""
+    return tiny_factory("llama_gqa")
+
+
+def _kv_bytes_per_slot(model) -> int:
+    """K/V bytes per token slot and batch row, over all layers."""
+    return bench.full_kv_bytes_per_token(model)
+
+
+# -- the floor -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", [5, 20])
+def test_floor_holds_exactly_budget_slots_with_the_newest_tokens(tiny, make_ids, prompt):
+    budget, steps, batch = 8, 6, 2
+    tiny.set_attn_implementation("sdpa")
+    floor, full = FloorCache(budget, tiny.config.num_hidden_layers), DynamicCache(config=tiny.config)
+    with torch.inference_mode():
+        for cache in (floor, full):
+            tiny(make_ids(batch, prompt), past_key_values=cache, use_cache=True)
+            for t in range(steps):
+                tiny(make_ids(batch, 1, seed=10 + t), past_key_values=cache, use_cache=True)
+    seen = prompt + steps
+    assert floor.get_seq_length() == seen
+    assert all(layer.keys.shape[2] == budget == layer.values.shape[2] for layer in floor.layers)
+    assert bench.kv_nbytes(floor) == batch * budget * _kv_bytes_per_slot(tiny)
+    # Layer 0's keys depend only on token and position: the ring holds the newest tokens, position p in slot p % B.
+    ring, reference = floor.layers[0].keys, full.layers[0].keys
+    for p in range(seen - budget, seen):
+        torch.testing.assert_close(ring[:, :, p % budget], reference[:, :, p])
+
+
+def test_floor_takes_one_prompt_then_single_tokens(tiny, make_ids):
+    tiny.set_attn_implementation("sdpa")
+    floor = FloorCache(4, tiny.config.num_hidden_layers)
+    with torch.inference_mode():
+        tiny(make_ids(1, 6), past_key_values=floor, use_cache=True)
+        with pytest.raises(ValueError, match="single tokens"):
+            tiny(make_ids(1, 2), past_key_values=floor, use_cache=True)
+
+
+# -- order, grid, ratios -------------------------------------------------------------------------------------------
+
+
+def test_interleaved_rounds_alternate_direction():
+    assert bench.interleaved(["a", "b", "c"], 3) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError):
+        bench.interleaved(["a"], 0)
+
+
+def test_run_bench_runs_repeats_interleaved(tiny, make_ids, monkeypatch):
+    calls = []
+
+    def fake_measure(model, policy, budget_tokens, ids, gen):
+        calls.append((policy, ids.shape[1]))
+        return bench.Run(1.0, [0.1] * (gen - 1), 100, 200, 10, 0, budget_tokens)
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    plan = bench.make_plan([(40, 3), (24, 3)], [1], ["h2o"])
+    cells, skipped = bench.run_bench(tiny, make_ids(1, 64)[0], plan, budget=8, repeats=2, progress=False)
+    assert skipped == []
+    warm = [c for c in calls if c[1] == 32]
+    assert sorted(p for p, _ in warm) == ["dynamic_full", "floor", "h2o"]
+    measured = calls[len(warm) :]
+    order = ["dynamic_full", "floor", "h2o", "h2o", "floor", "dynamic_full"]
+    assert measured == [(p, 40) for p in order] + [(p, 24) for p in order]
+    assert [(c.prompt_tokens, c.policy) for c in cells] == [(n, p) for n in (40, 24) for p in order[:3]]
+
+
+def _run(prefill: float, steps: list[float]) -> bench.Run:
+    return bench.Run(prefill, steps, 0, 0, 0, 0, 1)
+
+
+def test_ratios_pair_runs_of_the_same_round():
+    point = bench.GridPoint(16, 3, 1)
+    runs = {
+        "h2o": [_run(1, [1, 1]), _run(10, [1, 1]), _run(4, [1, 1])],
+        "floor": [_run(1, [1, 1]), _run(5, [1, 1]), _run(8, [1, 1])],
+        "dynamic_full": [_run(1, [2, 2]), _run(1, [2, 2]), _run(1, [4, 4])],
+    }
+    cell = bench.summarize("h2o", point, 8, runs["h2o"], runs)
+    # Per-round prefill ratios 1, 2, 0.5 -> median 1 (the ratio of the medians, 4 / 5, would be 0.8).
+    assert cell.ratios["vs_floor"]["prefill_s"] == pytest.approx(1.0)
+    assert cell.ratios["vs_dynamic_full"]["step_ms_p50"] == pytest.approx(0.5)
+    assert cell.ratios["vs_dynamic_full"]["decode_tok_s"] == pytest.approx(2.0)
+    assert set(bench.summarize("floor", point, 8, runs["floor"], runs).ratios) == {"vs_dynamic_full"}
+
+
+def test_pair_lengths():
+    assert bench.pair_lengths([512, 2048], [32, 256]) == [(512, 32), (2048, 256)]
+    assert bench.pair_lengths([512, 2048], [8]) == [(512, 8), (2048, 8)]
+    assert bench.pair_lengths([64], [4, 8]) == [(64, 4), (64, 8)]
+    with pytest.raises(ValueError, match="pair up"):
+        bench.pair_lengths([1, 2, 3], [4, 5])
+    with pytest.raises(ValueError, match="unknown policy"):
+        bench.make_plan([(8, 2)], [1], ["nope"])
+    with pytest.raises(ValueError, match="2 generated"):
+        bench.make_plan([(8, 1)], [1], ["h2o"])
+    with pytest.raises(ValueError, match="batch"):
+        bench.make_plan([(8, 2)], [0], ["h2o"])
+
+
+def test_skip_reason(tiny):
+    assert bench.skip_reason(tiny, bench.GridPoint(1000, 25, 1)) is None  # 1024 positions: the last token is not fed
+    assert "positions" in bench.skip_reason(tiny, bench.GridPoint(1000, 26, 1))
+    assert "memory" in bench.skip_reason(tiny, bench.GridPoint(1000, 2, 10**9))
+
+
+# -- measured figures ----------------------------------------------------------------------------------------------
+
+
+def test_cells_fields_and_consistency(tiny, make_ids, tmp_path):
+    budget, gen = 8, 4
+    plan = bench.make_plan([(24, gen), (40, gen)], [1, 2], ["h2o", "local"])
+    cells, skipped = bench.run_bench(tiny, make_ids(1, 64)[0], plan, budget=budget, repeats=2, progress=False)
+    assert skipped == []
+    assert [c.policy for c in cells[:4]] == ["dynamic_full", "floor", "h2o", "local"]
+    per_slot = _kv_bytes_per_slot(tiny)
+    for c in cells:
+        d = c.to_dict()
+        assert all(key in d for key in REQUIRED)
+        assert c.repeats == 2
+        assert c.step_ms_p50 <= c.step_ms_p90
+        assert c.throughput_tok_s == pytest.approx(c.batch * gen / (c.prefill_s + c.decode_s))
+        assert c.decode_tok_s == pytest.approx(c.batch * (gen - 1) / c.decode_s)
+        assert c.peak_rss_mb >= c.rss_growth_mb >= 0
+        held = {"dynamic_full": c.prompt_tokens + gen - 1, "floor": budget}.get(c.policy, budget + 1)
+        assert c.tokens_held == held
+        assert c.kv_bytes == c.batch * held * per_slot
+        assert (c.state_bytes > 0) == (c.policy in ("h2o", "local"))
+        assert set(c.ratios) == {f"vs_{r}" for r in bench.REFERENCES if r != c.policy}
+        assert (c.budget_tokens is None) == (c.policy == "dynamic_full")
+    full = {(c.prompt_tokens, c.batch): c.kv_bytes for c in cells if c.policy == "dynamic_full"}
+    assert full[(40, 1)] > full[(24, 1)] and full[(24, 2)] == 2 * full[(24, 1)]
+    png = bench.plot_decode(cells, tmp_path / "decode.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_lists_top_ops(tiny, make_ids):
+    result = bench.profile_decode(tiny, make_ids(1, 64)[0], budget=8, prompt=24, steps=3, top=5)
+    assert result["policy"] == "h2o" and len(result["ops"]) == 5
+    shares = [op["self_share"] for op in result["ops"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+    assert any(op["op"].startswith("aten::") for op in result["ops"])
+
+
+# -- targets and the memory model ------------------------------------------------------------------------------
+
+
+def _cell(policy, prompt, ratios, budget=512, gen=256, kv_bytes=0, state_bytes=0) -> bench.Cell:
+    return bench.Cell(
+        policy=policy,
+        budget_tokens=None if policy == "dynamic_full" else budget,
+        prompt_tokens=prompt,
+        gen_tokens=gen,
+        batch=1,
+        repeats=3,
+        prefill_s=1.0,
+        decode_s=1.0,
+        decode_tok_s=1.0,
+        throughput_tok_s=1.0,
+        step_ms_p50=1.0,
+        step_ms_p90=1.0,
+        peak_rss_mb=1000.0,
+        rss_growth_mb=prompt / 10,
+        kv_bytes=kv_bytes,
+        state_bytes=state_bytes,
+        tokens_held=budget,
+        ratios=ratios,
+    )
+
+
+def _vs(floor_step=1.0, full_decode=1.0, full_prefill=1.0):
+    return {
+        "vs_floor": {"step_ms_p50": floor_step, "prefill_s": 1.0, "decode_tok_s": 1.0, "throughput_tok_s": 1.0},
+        "vs_dynamic_full": {
+            "step_ms_p50": 1.0,
+            "prefill_s": full_prefill,
+            "decode_tok_s": full_decode,
+            "throughput_tok_s": 1.0,
+        },
+    }
+
+
+def test_targets_from_cells():
+    full_kv = 8191 * 1000
+    cells = [
+        _cell("dynamic_full", 7936, {}, kv_bytes=full_kv),
+        _cell("h2o", 7936, _vs(1.08, 1.7, 1.4), kv_bytes=512 * 1000 * 101 // 100, state_bytes=5),
+        _cell("h2o", 2048, _vs(1.05)),
+        _cell("local", 2048, _vs(1.04)),
+        _cell("streaming_llm", 2048, _vs(1.03)),
+        _cell("local", 256, _vs(9.0), gen=32),  # holds fewer tokens than the budget: no target counts it
+    ]
+    assert [t.met for t in bench.evaluate_targets(cells)] == [True] * 5
+    cells[1].kv_bytes = 512 * 1000 * 103 // 100
+    cells[1].ratios["vs_dynamic_full"]["decode_tok_s"] = 1.5
+    cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.07
+    assert [t.met for t in bench.evaluate_targets(cells)] == [True, False, True, False, False]
+    cells[1].rss_growth_mb = 2000.0  # 10x the growth at 2048 tokens for 3.9x the tokens: superlinear
+    assert bench.evaluate_targets(cells)[2].met is False
+    assert [t.met for t in bench.evaluate_targets([])] == [None] * 5
+
+
+def test_memory_model_on_synthetic_numbers():
+    mib = bench.MIB
+    # Growth 300 MiB per row (200 MiB of it K/V: 100 tokens of 2 MiB) plus 100 MiB that does not grow with the batch.
+    samples = [bench.MemSample(b, 1000 * mib, (1000 + 100 + 300 * b) * mib, 200 * mib * b, 100) for b in (1, 4)]
+    mem = bench.MemoryModel.fit(400 * mib, samples)
+    assert mem.kv_bytes_per_token == pytest.approx(2 * mib)
+    assert mem.act_bytes_per_seq == pytest.approx(100 * mib)
+    assert mem.runtime_bytes == pytest.approx(700 * mib)
+    assert mem.peak(10) == pytest.approx((1100 + 3000) * mib)
+    assert mem.max_batch(4000 * mib) == 9  # (4000 - 1100) / 300 = 9.67
+    assert mem.max_batch(1000 * mib) == 0
+    single = bench.MemoryModel.fit(400 * mib, samples[:1])  # one batch size: all growth counts per row
+    assert single.act_bytes_per_seq == pytest.approx(200 * mib)
+    assert single.max_batch(4000 * mib) == math.floor(3000 / 400)
+
+
+def test_max_batches_predicts_and_verifies(tiny, make_ids):
+    tokens = make_ids(1, 64)[0]
+    plan = bench.make_plan([(24, 3)], [1, 2], ["h2o"])
+    cells, _ = bench.run_bench(tiny, tokens, plan, budget=8, repeats=1, progress=False)
+    cap = (max(c.peak_rss_mb for c in cells) + 16) * bench.MIB
+    rows = bench.max_batches(tiny, tokens, cells, cap, budget=8)
+    assert [r["policy"] for r in rows] == ["dynamic_full", "h2o"]
+    for row in rows:
+        assert row["max_batch"] >= 1 and row["predicted_peak_mb"] <= row["cap_mb"]
+        assert isinstance(row["verified"], bool) and row["verified_peak_mb"] > 0
+    assert rows[0]["tokens_held"] == 26 and rows[1]["tokens_held"] == 9
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------------
+
+
+def test_cli_bench_json(capsys):
+    argv = [
+        "bench",
+        "--json",
+        "--prompt-lens",
+        "32",
+        "--gen-lens",
+        "4",
+        "--batches",
+        "1",
+        "--repeats",
+        "1",
+        "--policies",
+        "h2o",
+    ]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [c["policy"] for c in result["cells"]] == ["dynamic_full", "floor", "h2o"]
+    for c in result["cells"]:
+        assert all(key in c for key in REQUIRED)
+        assert (c["prompt_tokens"], c["gen_tokens"], c["batch"]) == (32, 4, 1)
+    assert len(result["targets"]) == 5
+    assert "targets:" in bench.format_report(result)
