@@ -16,6 +16,7 @@ import kvsieve
 from kvsieve.policies import REGISTRY
 
 TINY_MODELS = ("llama_mha", "llama_gqa", "gemma3")
+TINY_VOCAB = 128
 BUDGET = 12
 PROMPT = 30
 STEPS = 200
@@ -57,7 +58,8 @@ def test_budget_invariant_through_200_decode_steps(model_name, model, policy, st
                 assert n <= bound, f"layer {i} holds {n} slots > {bound}"
                 assert cap <= bound + 1, f"layer {i} allocates {cap} slots > {bound + 1}"
 
-    stream(model, cache, make_ids(2, PROMPT), STEPS, on_step=check)
+    logits = stream(model, cache, make_ids(2, PROMPT), STEPS, on_step=check)
+    assert torch.isfinite(logits).all()
     for bound, n in zip(bounds, cache.slot_counts(), strict=True):
         assert n == PROMPT + STEPS if bound is None else 0 < n <= bound  # unbounded layers grow with every token
     if model_name not in full_nbytes:
@@ -79,8 +81,13 @@ def test_budget_at_least_length_equals_dynamic_cache(model, policy, stream, make
 
 
 @policies
-def test_left_padded_batch_equals_rows_alone(model, policy, make_ids) -> None:
-    long, short = make_ids(1, 20, seed=2), make_ids(1, 13, seed=3)
+def test_left_padded_batch_equals_rows_alone(model, policy) -> None:
+    # In float64, so that round-off (which differs between a batch and a row alone) cannot decide the near-ties a
+    # random model's scores sometimes have. Every token of a row is distinct (permuted prompts, no repeated or pad
+    # token generated), so every kept set shows in the logits.
+    model = copy.deepcopy(model).double()
+    gen = torch.Generator().manual_seed(2)
+    long, short = (3 + torch.randperm(TINY_VOCAB - 3, generator=gen)[None, :n] for n in (20, 13))
     pad = model.config.pad_token_id
     ids = torch.cat([long, torch.cat([torch.full((1, 7), pad), short], dim=1)])
     mask = torch.ones_like(ids)
@@ -94,6 +101,8 @@ def test_left_padded_batch_equals_rows_alone(model, policy, make_ids) -> None:
             do_sample=False,
             max_new_tokens=30,
             min_new_tokens=30,
+            no_repeat_ngram_size=1,
+            suppress_tokens=[pad],
             pad_token_id=pad,
             return_dict_in_generate=True,
             output_logits=True,
@@ -112,7 +121,7 @@ def test_deterministic(model, policy, stream, make_ids) -> None:
     runs = []
     for _ in range(2):
         cache = kvsieve.make_cache(model, policy, BUDGET)
-        logits = stream(model, cache, make_ids(2, PROMPT), 40)
+        logits = stream(model, cache, make_ids(2, PROMPT), 16)
         runs.append((logits, [cache.positions(i) for i in range(len(cache.layers))]))
     (logits_a, pos_a), (logits_b, pos_b) = runs
     assert torch.equal(logits_a, logits_b)
@@ -120,10 +129,10 @@ def test_deterministic(model, policy, stream, make_ids) -> None:
 
 
 @policies
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_finite_logits_with_padding(model, policy, dtype, stream, make_ids) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_finite_logits_in_half_precision_with_padding(model, policy, dtype, stream, make_ids) -> None:
     cast = copy.deepcopy(model).to(dtype)
     mask = torch.ones(2, PROMPT, dtype=torch.long)
     mask[1, :9] = 0
-    logits = stream(cast, kvsieve.make_cache(cast, policy, BUDGET), make_ids(2, PROMPT), 30, attention_mask=mask)
+    logits = stream(cast, kvsieve.make_cache(cast, policy, BUDGET), make_ids(2, PROMPT), 16, attention_mask=mask)
     assert torch.isfinite(logits).all()
