@@ -23,7 +23,9 @@ class KNorm(Policy):
     ``budget`` tokens, the highest-norm keys are evicted (as kvpress' ``KnormPress``: score ``-‖k‖``). The norm is
     the fp32 L2 norm of the cached key per KV head; RoPE is a rotation, so it is the pre-RoPE norm too.
 
-    Choices: equal norms (the same token at two positions: RoPE keeps the norm) keep the newer token; ``recent``
+    Choices: norms are compared at float16 resolution (about 3 significant digits), so floating-point round-off
+    of the key projection or of RoPE cannot decide between equal keys; equal norms (e.g. the same token at two
+    positions: RoPE keeps the norm) keep the newer token; ``recent``
     (default 0) optionally protects the newest tokens; every layer gets the same rule (a layer schedule can share
     the budget unevenly). Needs no attention probabilities.
     """
@@ -37,5 +39,6 @@ class KNorm(Policy):
             raise ValueError(f"knorm: recent must be in [0, budget={self.budget}], got {self.params.recent}")
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        score = rank_newer_first(-slots.keys.float().norm(dim=-1), slots.pos)
+        norm = slots.keys.float().norm(dim=-1).to(torch.float16).float()
+        score = rank_newer_first(-norm, slots.pos)
         return score.masked_fill(recent_mask(slots, self.params.recent), float("inf"))

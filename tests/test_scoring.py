@@ -1,0 +1,67 @@
+"""Whole-sequence scoring: one forward with ``step_size=1`` gives the logits of feeding tokens one at a time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve.evaluation.perplexity import stream_logits, stream_perplexity
+from kvsieve.policies import REGISTRY
+
+
+def _both_engines(model, ids: torch.Tensor, policy: str, budget: int, prefill: int) -> tuple[torch.Tensor, ...]:
+    """Logits of ids[prefill:] after a prefill, token by token and whole-sequence, plus the kept positions."""
+    out = []
+    for engine in ("decode", "whole"):
+        cache = kvsieve.make_cache(model, policy, budget)
+        with torch.no_grad():
+            model(ids[:, :prefill], past_key_values=cache)
+            logits = torch.cat([chunk for _, chunk in stream_logits(model, cache, ids[:, prefill:], engine)], dim=1)
+        out.append((logits, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]))
+    (decode, kept_decode), (whole, kept_whole) = out
+    return decode, whole, kept_decode, kept_whole
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_whole_sequence_equals_token_by_token_on_a_tiny_model(policy, llama_gqa, make_ids):
+    ids = make_ids(2, 48)
+    decode, whole, kept_decode, kept_whole = _both_engines(llama_gqa, ids, policy, budget=12, prefill=10)
+    torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
+    for a, b in zip(kept_decode, kept_whole, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_whole_sequence_equals_token_by_token_on_the_real_model(policy, real_model, tokenizer, wiki_text):
+    model, _ = real_model
+    ids = tokenizer(wiki_text, return_tensors="pt").input_ids[:, :120]
+    decode, whole, _, _ = _both_engines(model, ids, policy, budget=32, prefill=32)
+    torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
+
+
+def test_stream_perplexity_engines_agree_and_report(real_model, tokenizer, wiki_text):
+    model, _ = real_model
+    ids = tokenizer(wiki_text, return_tensors="pt").input_ids[:, :160]
+    results = {
+        engine: stream_perplexity(model, ids, "h2o", 40, engine=engine, progress=False, curve_every=64)[0]
+        for engine in ("whole", "decode")
+    }
+    assert math.isclose(results["whole"].ppl, results["decode"].ppl, rel_tol=1e-4)
+    for engine, r in results.items():
+        assert r.engine == engine and r.tokens_scored == 159 and r.kv_slots_max <= 40
+        assert r.curve and r.curve[-1]["tokens"] == 159 and all(p["rss_mb"] > 0 for p in r.curve)
+    with pytest.raises(ValueError, match="engine"):
+        stream_perplexity(model, ids, "h2o", 40, engine="fast")
+    with pytest.raises(ValueError, match="prefill"):
+        stream_perplexity(model, ids, "h2o", 40, prefill=160)
+
+
+def test_step_size_must_be_positive(llama_gqa):
+    cache = kvsieve.make_cache(llama_gqa, "h2o", 8)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="step_size"):
+            cache.step_size = bad
