@@ -1,0 +1,70 @@
+"""XSum under eviction: one-sentence summaries of GEM XSum articles, scored with ROUGE-1/2/L.
+
+Prompt: for a model with a chat template (SmolLM2-135M-Instruct, the default) the article goes in one user turn,
+``"Summarize the following article in one sentence.\\n\\n<article>"``, followed by the assistant generation prompt
+(the template adds its default system turn); for a model without one, BIG-bench's own ``gem/xsum`` format
+``"summarize: <article>\\none-sentence summary:"``. Zero-shot: 5-shot XSum prompts would not fit a small model's
+useful context. Decoding is greedy, at most :data:`MAX_NEW_TOKENS` tokens, stopped at the first newline (the
+summary is one sentence) or EOS. The generation runs through :class:`~kvsieve.evaluation.lm_eval_model.KVSieveLM`,
+so a ratio budget is ``ratio · (prompt + max_new_tokens)`` tokens and the protocol (stream/prefill) applies to
+the prompt. Scores: ROUGE F-measures × 100 with Porter stemming (``rouge-score``, which works offline; ``evaluate.
+load("rouge")`` needs the Hub), averaged over the articles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rouge_score import rouge_scorer
+from transformers import PreTrainedTokenizerBase
+
+from kvsieve.evaluation.lm_eval_model import KVSieveLM
+from kvsieve.evaluation.tasks import load_xsum
+
+INSTRUCTION = "Summarize the following article in one sentence."
+MAX_NEW_TOKENS = 64
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+
+
+@dataclass
+class XSumResult:
+    articles: int
+    rouge1: float
+    rouge2: float
+    rougeL: float
+    samples: list[dict[str, str]] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def xsum_prompt(tokenizer: PreTrainedTokenizerBase, article: str) -> str:
+    """The prompt asking for a one-sentence summary of ``article`` (see the module docs)."""
+    if tokenizer.chat_template:
+        message = {"role": "user", "content": f"{INSTRUCTION}\n\n{article}"}
+        return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
+    return f"summarize: {article}\none-sentence summary:"
+
+
+def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F-measures (× 100) of ``predictions`` against ``references``."""
+    if not predictions or len(predictions) != len(references):
+        raise ValueError(f"need as many predictions as references (> 0), got {len(predictions)}/{len(references)}")
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    scores = [scorer.score(ref, pred) for pred, ref in zip(predictions, references, strict=True)]
+    return {name: 100 * sum(s[name].fmeasure for s in scores) / len(scores) for name in ROUGE_TYPES}
+
+
+def evaluate_xsum(
+    lm: KVSieveLM, limit: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False
+) -> XSumResult:
+    """Summarize the first ``limit`` XSum articles (all 1,001 when None) under ``lm``'s policy and budget."""
+    examples = load_xsum()[:limit]
+    prompts = [xsum_prompt(lm.tokenizer, e.article) for e in examples]
+    summaries = lm.generate(prompts, {"until": ["\n"], "max_gen_toks": max_new_tokens}, disable_tqdm=not progress)
+    summaries = [s.strip() for s in summaries]
+    scores = rouge(summaries, [e.summary for e in examples])
+    samples = [{"reference": e.summary, "summary": s} for e, s in zip(examples, summaries, strict=True)]
+    return XSumResult(articles=len(examples), samples=samples, **scores)
