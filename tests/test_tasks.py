@@ -52,7 +52,7 @@ def test_fetch_reads_the_sdist_once_for_all_missing_members(tmp_path, monkeypatc
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("{}")
 
-    monkeypatch.setattr(tasks, "_extract", extract)
+    monkeypatch.setattr(tasks, "extract_members", extract)
     files = tasks.fetch_bigbench()
     assert len(downloads) == 1 and len(extracted) == 1
     assert len(extracted[0]) == sum(len(subs) or 1 for subs in MC_TASKS.values()) + 1  # + gem/xsum

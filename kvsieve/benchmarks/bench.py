@@ -49,6 +49,7 @@ from kvsieve.api import make_cache
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.engine.budget import Budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
+from kvsieve.evaluation.plots import pyplot, save_figure
 from kvsieve.policies import REGISTRY
 
 DYNAMIC, FLOOR = "dynamic_full", "floor"
@@ -681,11 +682,7 @@ def evaluate_targets(cells: Sequence[Cell], budget: int = TARGET_BUDGET) -> list
 def plot_decode(cells: Sequence[Cell], path: str | Path, title: str = "") -> Path:
     """Decode tokens/s vs context length (prompt tokens), one line per policy, one panel per batch size. Where a
     prompt length was measured with several generation lengths, the longest generation is plotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     batches = sorted({c.batch for c in cells})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
     for ax, batch in zip(axes[0], batches, strict=True):
@@ -708,12 +705,7 @@ def plot_decode(cells: Sequence[Cell], path: str | Path, title: str = "") -> Pat
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.api import generate
 from kvsieve.engine.budget import Budget
+from kvsieve.evaluation.plots import pyplot, save_figure
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer: the pass key is number"
@@ -108,11 +109,7 @@ def run_needle(
 
 def plot_needle(cells: Sequence[NeedleCell], path: str | Path, title: str = "") -> Path:
     """Heat map of accuracy: context length (rows) × needle depth (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = sorted({c.length for c in cells})
     depths = sorted({c.depth for c in cells})
     grid = [[next(c.accuracy for c in cells if c.length == n and c.depth == d) for d in depths] for n in lengths]
@@ -128,9 +125,4 @@ def plot_needle(cells: Sequence[NeedleCell], path: str | Path, title: str = "") 
     fig.colorbar(im, ax=ax, label="exact match")
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -4,8 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvsieve.evaluation.perplexity import PerplexityResult
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (imported lazily: plotting is optional work)."""
+    plt = pyplot()
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out, write (PNG, 120 dpi, parent folders created) and close ``fig``."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    pyplot().close(fig)
+    return out
 
 
 def plot_stream_curves(results: Sequence[PerplexityResult], path: str | Path, title: str = "") -> Path:
@@ -33,9 +50,4 @@ def plot_stream_curves(results: Sequence[PerplexityResult], path: str | Path, ti
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

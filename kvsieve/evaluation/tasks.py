@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from kvsieve.fetch import FetchError, _extract, cache_dir
+from kvsieve.fetch import FetchError, cache_dir, extract_members
 
 BIGBENCH_URL = (
     "https://files.pythonhosted.org/packages/95/f8/c019b3579df548a04cac12342cfcb878e50ddf6cfcd7fddba8cfc721c157/"
@@ -101,7 +101,7 @@ def fetch_bigbench() -> dict[str, Path]:
         with tempfile.TemporaryDirectory(prefix="kvsieve-bigbench-") as tmp:
             archive = Path(tmp) / "bigbench-1.0.0.tar.gz"
             _download(BIGBENCH_URL, BIGBENCH_SHA256, archive)
-            _extract(archive, missing)
+            extract_members(archive, missing)
     return wanted
 
 
