@@ -75,3 +75,17 @@ def test_step_size_must_be_positive(llama_gqa):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="step_size"):
             cache.step_size = bad
+
+
+def test_stream_curve_plot(tmp_path):
+    from kvsieve.evaluation.perplexity import PerplexityResult
+    from kvsieve.evaluation.plots import plot_stream_curves
+
+    point = {"tokens": 10, "ppl": 5.0, "rss_mb": 900.0, "kv_bytes": 2**20}
+    curve = [point, point | {"tokens": 20}]
+    result = PerplexityResult("h2o", "whole", 8, 8, 10, 5.0, 1.6, 8, 1, 1, 1.0, 1.0, curve=curve)
+    png = plot_stream_curves([result], tmp_path / "sub" / "curve.png")
+    assert png.stat().st_size > 1000
+    result.curve = []
+    with pytest.raises(ValueError, match="no curve"):
+        plot_stream_curves([result], tmp_path / "x.png")

@@ -11,7 +11,11 @@ from kvsieve.evaluation.perplexity import PerplexityResult
 
 def pyplot() -> Any:
     """``matplotlib.pyplot`` on the Agg backend (imported lazily: plotting is optional work)."""
-    plt = pyplot()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -27,11 +31,7 @@ def save_figure(fig: Any, path: str | Path) -> Path:
 
 def plot_stream_curves(results: Sequence[PerplexityResult], path: str | Path, title: str = "") -> Path:
     """Interval perplexity and resident memory vs tokens streamed, one line per result."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_ppl, ax_mem) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for r in results:
         if not r.curve:
