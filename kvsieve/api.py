@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.engine.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register
-from kvsieve.engine.budget import Budget, check_budget, resolve_budget
+from kvsieve.engine.budget import Budget, check_budget
 from kvsieve.engine.cache import PolicyPlan, SieveCache
 from kvsieve.engine.rope import Rotary
 from kvsieve.engine.schedules import schedule_weights
@@ -147,11 +147,6 @@ def generate(
         budget_tokens=cache.budget_tokens,
         cache=cache,
     )
-
-
-def budget_tokens_for(budget: Budget | None, length: int) -> int | None:
-    """Tokens a budget allows for a sequence of ``length`` tokens (None = unbounded)."""
-    return None if budget is None else resolve_budget(budget, length)
 
 
 def _eos_ids(
