@@ -229,13 +229,12 @@ def test_scissorhands_window_forgets_and_young_tokens_count_fewer_rows() -> None
 
     def step(q: int, probs: list[float]) -> list[int]:
         slots = Slots(pos=pos, state=state, last=torch.tensor([q]), keys=torch.empty(0), values=torch.empty(0))
-        allowed = ((pos >= 0) & (pos <= q))[:, :, None]
         obs = Observation(
             probs=torch.tensor(probs).view(1, 1, 1, 4),
             logits=torch.zeros(1, 1, 2, 1, 4),
-            allowed=allowed,
             query_pos=torch.tensor([[q]]),
             step_rows=1,
+            key_pos=pos,
         )
         policy.observe(slots, obs)
         return state["low"].sum(dim=-1)[0, 0].tolist()
@@ -386,7 +385,7 @@ def _observation(logits: torch.Tensor, query_pos: list[int], step_rows: int = 1)
     allowed = torch.arange(n)[None, None, None, :] <= qp[:, None, :, None]
     logits = logits.masked_fill(~allowed[:, :, None], float("-inf"))
     probs = logits.softmax(dim=-1).sum(dim=2)
-    return Observation(probs=probs, logits=logits, allowed=allowed, query_pos=qp, step_rows=step_rows)
+    return Observation(probs, logits, qp, step_rows, key_pos=torch.arange(n).view(1, 1, n))
 
 
 def test_step_gain_softmax_scales_logits_by_sqrt_2_ln_i_over_k() -> None:

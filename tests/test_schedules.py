@@ -106,18 +106,16 @@ def test_coverage_statistic() -> None:
     """Rows needing 3 of 4 keys and 1 of 2 keys for 90 % of their attention; padding and early rows are ignored."""
     coverage = Coverage(None, CoverageParams(start=5))
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.95, 0.05, 0, 0], [0.9, 0.1, 0, 0], [0, 0, 0, 0]])
-    allowed = probs > 0
+    key_pos = torch.tensor([0, 1, 7, 8]).view(1, 1, 4)  # rows 2 and 3 (positions 6, 4) see the first two keys
     obs = Observation(
         probs=2 * probs.view(1, 1, 4, 4),  # a GQA group of 2 query heads, summed
         logits=torch.zeros(1, 1, 2, 4, 4),
-        allowed=allowed.view(1, 1, 4, 4),
         query_pos=torch.tensor([[9, 6, 4, -1]]),
         step_rows=4,
+        key_pos=key_pos,
     )
     empty = torch.zeros(1, 1, 4, 0)
-    coverage.observe(
-        Slots(pos=torch.arange(4).view(1, 1, 4), state={}, last=torch.tensor([9]), keys=empty, values=empty), obs
-    )
+    coverage.observe(Slots(pos=key_pos, state={}, last=torch.tensor([9]), keys=empty, values=empty), obs)
     assert coverage.count == 2
     assert coverage.value == pytest.approx((3 / 4 + 1 / 2) / 2)
 

@@ -39,6 +39,8 @@ def test_format_examples_uses_the_task_prefixes_and_append_flag() -> None:
 def test_task_names_map_short_names_only() -> None:
     assert task_name("social_iqa") == "kvsieve_social_iqa"
     assert task_name("piqa") == "piqa"
+    assert task_name("cause_and_effect_one_sentence") == "kvsieve_cause_and_effect_one_sentence"
+    assert task_name("cause_and_effect_three") == "cause_and_effect_three"
 
 
 def test_fetch_reads_the_sdist_once_for_all_missing_members(tmp_path, monkeypatch) -> None:

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvsieve.policies.base import Observation
+from kvsieve.policies.base import Observation, visible_slots
 
 ATTN_IMPLEMENTATION = "kvsieve"
 
@@ -139,20 +139,6 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sieve_mask)
 
 
-def _allowed(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``[B, H, b, N]``: which slots each query may attend to (causal by position, no empty slots, window).
-
-    Padding queries (position -1) may attend to everything: their outputs are never used, and a fully masked row
-    would produce NaN.
-    """
-    kp = key_pos[:, :, None, :]
-    qp = query_pos[:, None, :, None]
-    allowed = (kp >= 0) & (kp <= qp)
-    if window is not None:
-        allowed &= kp > qp - window
-    return allowed | (qp < 0)
-
-
 def slot_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -163,6 +149,7 @@ def slot_attention(
     window: int | None = None,
     observe: Callable[[Observation], None] | None = None,
     narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    all_visible: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
 
@@ -170,7 +157,9 @@ def slot_attention(
     ``observe`` is given, the logits and fp32 probabilities are computed explicitly and passed block by block as an
     :class:`~kvsieve.policies.base.Observation`; otherwise torch's fused ``scaled_dot_product_attention`` runs
     and no probabilities exist. With ``observe``, ``narrow(logits, allowed)`` may restrict each query head's keys
-    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). Returns ``[B, Hq, q, D]``.
+    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). ``all_visible``: the caller guarantees that every
+    query is real and may attend to every slot (a decode step over real tokens without a window), so no mask is
+    built. Returns ``[B, Hq, q, D]``.
     """
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = key.shape[1], key.shape[2]
@@ -184,23 +173,33 @@ def slot_attention(
         q_blk = query[:, :, start : start + rows]
         qp = query_pos[:, start : start + rows]
         b = q_blk.shape[2]
-        allowed = _allowed(key_pos, qp, window)
+        allowed = None if all_visible else visible_slots(key_pos, qp, window)
         if observe is not None:
             logits = torch.matmul(q_blk.reshape(bsz, n_kv_heads, group * b, head_dim), key.transpose(-1, -2))
             logits = logits.float().mul_(scaling).view(bsz, n_kv_heads, group, b, n_slots)
-            mask = allowed[:, :, None] if narrow is None else narrow(logits, allowed)
-            probs = logits.masked_fill_(~mask, float("-inf")).softmax(dim=-1)
+            if narrow is not None:
+                allowed = visible_slots(key_pos, qp, window) if allowed is None else allowed
+                logits.masked_fill_(~narrow(logits, allowed), float("-inf"))
+            elif allowed is not None:
+                logits.masked_fill_(~allowed[:, :, None], float("-inf"))
+            probs = logits.softmax(dim=-1)
             out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, n_slots).to(value.dtype), value)
             out = out.view(bsz, n_q_heads, b, -1)
-            summed = probs.sum(dim=2).mul_((qp >= 0)[:, None, :, None])
-            observe(Observation(probs=summed, logits=logits, allowed=allowed, query_pos=qp, step_rows=q_len))
+            summed = probs.sum(dim=2)
+            if not all_visible:
+                summed.mul_((qp >= 0)[:, None, :, None])
+            obs = Observation(summed, logits, qp, q_len, key_pos=key_pos, window=window, mask=allowed)
+            observe(obs)
         elif b == 1:
             # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
             q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)
             out = F.scaled_dot_product_attention(q_fold, key, value, attn_mask=allowed, scale=scaling)
             out = out.reshape(bsz, n_q_heads, 1, -1)
         else:
-            mask = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q_blk, key, value, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+            if allowed is not None:
+                allowed = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(
+                q_blk, key, value, attn_mask=allowed, scale=scaling, enable_gqa=group > 1
+            )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -101,10 +102,16 @@ def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tens
     return out
 
 
-def _move_slot(t: torch.Tensor, src: int, dst: torch.Tensor) -> None:
-    """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h]``."""
-    idx = dst.view(*dst.shape, 1, *([1] * (t.dim() - 3))).expand(*dst.shape, 1, *t.shape[3:])
-    t.scatter_(2, idx, t[:, :, src : src + 1].clone())  # the source must not alias the destination
+def _move_slot(
+    keys: torch.Tensor, values: torch.Tensor, others: Sequence[torch.Tensor], src: int, dst: torch.Tensor
+) -> None:
+    """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h, 0]`` of every slot tensor."""
+    wide = dst[..., None].expand(*dst.shape, keys.shape[-1])  # shared by keys and values
+    for t in (keys, values):
+        t.scatter_(2, wide, t[:, :, src : src + 1].clone())  # the source must not alias the destination
+    for t in others:
+        idx = dst if t.dim() == 3 else dst.view(*dst.shape, *([1] * (t.dim() - 3))).expand(*dst.shape, *t.shape[3:])
+        t.scatter_(2, idx, t[:, :, src : src + 1].clone())
 
 
 class SieveLayer(CacheLayerMixin):
@@ -123,6 +130,7 @@ class SieveLayer(CacheLayerMixin):
         self.pos: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.real_seen: torch.Tensor | None = None
+        self.holes = False  # whether slots in use may hold padding (position -1)
         self.n = 0
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -181,6 +189,7 @@ class SieveLayer(CacheLayerMixin):
         self.keys = self.values = self.pos = self.real_seen = None
         self.state = {}
         self.n = self.seen = 0
+        self.holes = False
         self.pending = None
         self.policy = None
         self.is_initialized = False
@@ -210,21 +219,29 @@ class SieveLayer(CacheLayerMixin):
 
         The step's tokens are processed in chunks of ``step_size`` (all at once when None), each chunk stored,
         attended, observed and evicted before the next — with ``step_size=1`` this is exactly the computation of
-        feeding the tokens one at a time.
+        feeding the tokens one at a time. When the policy's state does not depend on how rows are grouped
+        (``row_additive``, or no attention observed), the tokens that fit before the first eviction are one chunk.
         """
         (new_keys, new_values), self.pending = self.pending, None
         q = new_keys.shape[2]
         step = self.step_size or q
+        bounds = [*range(0, q, step), q]
+        policy = self.policy
+        if step < q and (policy.row_additive or not policy.needs_attention):
+            # Tokens that fit before the first eviction form one chunk: the same result, without the per-token loop.
+            room = min(policy.budget - self.n, q) if policy.bounded else q
+            if room > step:
+                bounds = [0, *range(room, q, step), q]
         outputs = [
             self._step(
-                query[:, :, s : s + step],
-                new_keys[:, :, s : s + step],
-                new_values[:, :, s : s + step],
-                None if padding is None else padding[:, s : s + step].to(self.device),
+                query[:, :, s:e],
+                new_keys[:, :, s:e],
+                new_values[:, :, s:e],
+                None if padding is None else padding[:, s:e].to(self.device),
                 scaling,
                 window,
             )
-            for s in range(0, q, step)
+            for s, e in pairwise(bounds)
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
@@ -246,6 +263,7 @@ class SieveLayer(CacheLayerMixin):
         else:
             query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
             self.real_seen += padding.sum(-1)
+            self.holes = True
         if self.rotary is not None:  # store keys un-rotated (position rolling)
             key_states = self.rotary.rotate(key_states, -query_pos[:, None, :])
         self.keys[:, :, start:total] = key_states
@@ -261,20 +279,21 @@ class SieveLayer(CacheLayerMixin):
             group = query.shape[1] // keys.shape[1]
             query_rank = rank[:, :, start:total].repeat_interleave(group, dim=1)
             query = self.rotary.rotate(query, query_rank - query_pos[:, None, :])
-        observe = partial(self.policy.observe, self.slots()) if self.policy.needs_attention else None
-        narrow = self.policy.narrow if self.policy.needs_attention else None
+        slots = self.slots()
+        policy = self.policy
         out = slot_attention(
             query,
             keys,
-            self.values[:, :, :total],
-            self.pos[:, :, :total],
+            slots.values,
+            slots.pos,
             query_pos,
             scaling,
             window,
-            observe,
-            narrow,
+            observe=partial(policy.observe, slots) if policy.needs_attention else None,
+            narrow=policy.narrow if policy.needs_attention and policy.narrows else None,
+            all_visible=q == 1 and padding is None and window is None and not self.holes,
         )
-        self._evict()
+        self._evict(slots)
         return out
 
     def slots(self) -> Slots:
@@ -288,21 +307,24 @@ class SieveLayer(CacheLayerMixin):
             values=self.values[:, :, :n],
         )
 
-    def _evict(self) -> None:
+    def _evict(self, slots: Slots) -> None:
+        """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
         target = self.policy.n_keep(self.n)
         if target >= self.n:
             return
-        slots = self.slots()
-        scores = self.policy.keep_scores(slots).masked_fill(slots.pos < 0, float("-inf"))
+        scores = self.policy.keep_scores(slots)
+        if self.holes:
+            scores = scores.masked_fill(slots.pos < 0, float("-inf"))
         if self.n - target == 1:
-            victim = scores.argmin(dim=-1)
-            for t in self._slot_tensors():
-                _move_slot(t, self.n - 1, victim)
+            victim = scores.argmin(dim=-1, keepdim=True)
+            _move_slot(self.keys, self.values, [self.pos, *self.state.values()], self.n - 1, victim)
         else:
             keep = scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
             capacity = self._limit()
             self._map_slots(lambda t: _gathered(t, keep, capacity))
         self.n = target
+        if self.holes:
+            self.holes = bool((self.pos[:, :, :target] < 0).any())
 
     # -- storage ------------------------------------------------------------------------------------------------
 
@@ -315,9 +337,6 @@ class SieveLayer(CacheLayerMixin):
         if needed > capacity:
             grown = max(needed, min(needed + max(GROWTH, needed // 4), self._limit()))
             self._map_slots(lambda t: _resized(t, int(grown), self.n))
-
-    def _slot_tensors(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, self.pos, *self.state.values()]
 
     def _map_slots(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.keys, self.values, self.pos = fn(self.keys), fn(self.values), fn(self.pos)

@@ -75,9 +75,15 @@ def tasks_dir() -> Path:
     return cache_dir() / "lm_eval_tasks"
 
 
+def short_names() -> list[str]:
+    """Every pack task and subtask by its short name (``social_iqa``, ``cause_and_effect_one_sentence``, ...)."""
+    return [name for task, subs in MC_TASKS.items() for name in (task, *(f"{task}_{sub}" for sub in subs))]
+
+
 def task_name(task: str) -> str:
-    """The lm-eval name of a pack task: ``social_iqa`` → ``kvsieve_social_iqa`` (other names unchanged)."""
-    return PREFIX + task if task in MC_TASKS else task
+    """The lm-eval name of a pack task or subtask: ``social_iqa`` → ``kvsieve_social_iqa`` (other names
+    unchanged)."""
+    return PREFIX + task if task in short_names() else task
 
 
 def _units() -> list[tuple[str, str]]:

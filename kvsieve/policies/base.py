@@ -11,8 +11,8 @@ engine owns the storage (slots) and calls the policy at each forward step of tha
 3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot; the engine keeps the ``n_keep`` highest
    (``+inf`` = protected). Empty and padding slots are never kept in place of real tokens.
 
-A policy with ``needs_attention`` may also ``narrow(logits, allowed)`` the keys each query head attends to (the
-default changes nothing); ``topk_oracle`` uses it.
+A policy with ``needs_attention`` and ``narrows = True`` may also ``narrow(logits, allowed)`` the keys each query
+head attends to; ``topk_oracle`` does.
 
 Per-slot state is declared by ``state_spec`` and stored by the engine next to the keys (slot dimension 2), so it
 moves with its token when slots are evicted, compacted or reordered. New slots start at zero.
@@ -21,7 +21,7 @@ moves with its token when slots are evicted, compacted or reordered. New slots s
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -54,6 +54,20 @@ class Slots:
         return age.masked_fill(self.pos < 0, torch.iinfo(age.dtype).max)
 
 
+def visible_slots(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[B, H, b, N]``: which slots each query may attend to (causal by position, no empty slots, window).
+
+    ``key_pos`` ``[B, H, N]`` and ``query_pos`` ``[B, b]`` are original positions (-1 = empty/padding). Padding
+    queries may attend to everything: their outputs are never used, and a fully masked row would produce NaN.
+    """
+    kp = key_pos[:, :, None, :]
+    qp = query_pos[:, None, :, None]
+    allowed = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        allowed &= kp > qp - window
+    return allowed | (qp < 0)
+
+
 @dataclass
 class Observation:
     """The attention of one block of query rows over the ``N`` slots of a layer, as a policy sees it."""
@@ -63,12 +77,23 @@ class Observation:
     queries are zero."""
     logits: torch.Tensor
     """``[B, H, G, b, N]`` fp32 scaled logits ``q·k/sqrt(d)`` per query head of the group, ``-inf`` where masked."""
-    allowed: torch.Tensor
-    """``[B, H, b, N]`` bool: the slots each query attended to."""
     query_pos: torch.Tensor
     """``[B, b]`` positions of the queries (-1 = padding)."""
     step_rows: int
     """Query rows of the whole step, over all its blocks (padding included): 1 for a decode step."""
+    key_pos: torch.Tensor
+    """``[B, H, N]`` positions of the slots' tokens (-1 = empty)."""
+    window: int | None = None
+    """The layer's sliding window (None = none)."""
+    mask: torch.Tensor | None = field(default=None, repr=False)
+    """The ``allowed`` mask if the engine already built it (it skips it when every slot is visible)."""
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """``[B, H, b, N]`` bool: the slots each query attended to (built on first use)."""
+        if self.mask is None:
+            self.mask = visible_slots(self.key_pos, self.query_pos, self.window)
+        return self.mask
 
 
 class Policy:
@@ -84,6 +109,12 @@ class Policy:
     """Whether the policy needs the attention probabilities (policies that do not never pay for computing them)."""
     bounded: ClassVar[bool] = True
     """Whether the policy enforces a budget (``full`` does not)."""
+    row_additive: ClassVar[bool] = False
+    """Whether observing query rows together in one step leaves the same state as observing them one step each
+    (when nothing is evicted in between). The stream protocol then feeds the tokens that fit before the first
+    eviction as one chunk. Policies without ``needs_attention`` never observe and are chunked anyway."""
+    narrows: ClassVar[bool] = False
+    """Whether :meth:`narrow` restricts the keys each query head attends to (only then is it called)."""
     attention_budget: ClassVar[bool] = False
     """Whether an unbounded policy still takes a budget, as the number of keys each query attends to
     (``topk_oracle``): it keeps every token but may :meth:`narrow` the attention."""
@@ -124,7 +155,8 @@ class Policy:
         """Accumulate statistics from one block of query rows (called only when ``needs_attention``)."""
 
     def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """``[B, H, G, b, N]`` bool: the slots each query head attends to (called only when ``needs_attention``).
+        """``[B, H, G, b, N]`` bool: the slots each query head attends to (called only when ``needs_attention`` and
+        ``narrows``).
 
         ``logits`` ``[B, H, G, b, N]`` are the fp32 scaled logits, ``allowed`` ``[B, H, b, N]`` the engine's mask
         (causality, padding, window); the result must be a subset of it. Default: ``allowed`` unchanged (a view).

@@ -65,6 +65,7 @@ class H2O(Policy):
     name = "h2o"
     paper = "Zhang et al., H2O: Heavy-Hitter Oracle, NeurIPS 2023 (arXiv:2306.14048)"
     needs_attention = True
+    row_additive = True
     Params = H2OParams
 
     def setup(self) -> None:

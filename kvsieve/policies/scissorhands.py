@@ -53,6 +53,7 @@ class Scissorhands(Policy):
     name = "scissorhands"
     paper = "Liu et al., Scissorhands: Persistence of Importance, NeurIPS 2023 (arXiv:2305.17118)"
     needs_attention = True
+    row_additive = True
     Params = ScissorhandsParams
 
     def setup(self) -> None:

@@ -23,6 +23,8 @@ class TopKOracle(Policy):
     name = "topk_oracle"
     paper = "top-k attention oracle (Gupta et al., Memory-efficient Transformers via Top-k Attention, arXiv:2106.06899)"
     needs_attention = True
+    row_additive = True
+    narrows = True
     bounded = False
     attention_budget = True
 

@@ -32,6 +32,7 @@ class TOVA(Policy):
     name = "tova"
     paper = "Oren et al., Transformers are Multi-State RNNs, 2024 (arXiv:2401.06104)"
     needs_attention = True
+    row_additive = True
     Params = TOVAParams
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
