@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvsieve
+from kvsieve.engine.cache import SieveLayer
 from kvsieve.evaluation.perplexity import stream_logits, stream_perplexity
 from kvsieve.policies import REGISTRY
 
@@ -32,6 +33,37 @@ def test_whole_sequence_equals_token_by_token_on_a_tiny_model(policy, llama_gqa,
     torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
     for a, b in zip(kept_decode, kept_whole, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, make_ids, monkeypatch):
+    """The stream protocol from the first token (as lm-eval runs it); row-additive policies and policies that never
+    observe attention feed the tokens before the first eviction as one chunk, the others step by step."""
+    ids = make_ids(2, 40)
+    with torch.no_grad():
+        cache = kvsieve.make_cache(llama_gqa, policy, 16)
+        decode = torch.cat([llama_gqa(ids[:, i : i + 1], past_key_values=cache).logits for i in range(40)], dim=1)
+        kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
+        steps = []
+        monkeypatch.setattr(SieveLayer, "_step", _counting(SieveLayer._step, steps))
+        cache = kvsieve.make_cache(llama_gqa, policy, 16)
+        cache.step_size = 1
+        whole = llama_gqa(ids, past_key_values=cache).logits
+    torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
+    for a, b in zip(kept, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))], strict=True):
+        assert torch.equal(a, b)
+    cls = REGISTRY[policy]
+    chunked = cls.row_additive or not cls.needs_attention
+    per_layer = (1 if not cls.bounded else 1 + 40 - 16) if chunked else 40
+    assert len(steps) == per_layer * len(cache.layers)
+
+
+def _counting(step, calls: list[int]):
+    def counted(self, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return step(self, query, *args, **kwargs)
+
+    return counted
 
 
 # Float drift between the two loop orders (batched vs single-row projections) reaches ~5e-4 on logits of ~20 for
