@@ -37,8 +37,9 @@ def test_whole_sequence_equals_token_by_token_on_a_tiny_model(policy, llama_gqa,
 
 @pytest.mark.parametrize("policy", sorted(REGISTRY))
 def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, make_ids, monkeypatch):
-    """The stream protocol from the first token (as lm-eval runs it); row-additive policies and policies that never
-    observe attention feed the tokens before the first eviction as one chunk, the others step by step."""
+    """The stream protocol from the first token (as lm-eval runs it): position-only policies in closed form (one
+    chunk of 64 here), row-additive policies and policies that never observe attention with the tokens before the
+    first eviction as one chunk, the others step by step."""
     ids = make_ids(2, 40)
     with torch.no_grad():
         cache = kvsieve.make_cache(llama_gqa, policy, 16)
@@ -54,8 +55,39 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
         assert torch.equal(a, b)
     cls = REGISTRY[policy]
     chunked = cls.row_additive or not cls.needs_attention
-    per_layer = (1 if not cls.bounded else 1 + 40 - 16) if chunked else 40
+    per_layer = 1 if not cls.bounded or cls.stream_closed_form else 1 + 40 - 16 if chunked else 40
     assert len(steps) == per_layer * len(cache.layers)
+
+
+@pytest.mark.parametrize("policy", ["local", "streaming_llm", "h2o", "ahakv"])
+def test_stream_of_a_left_padded_batch_equals_token_by_token(policy, llama_gqa, make_ids):
+    """Several closed-form chunks (150 tokens, budget 16) and a row with 7 padding tokens first."""
+    ids = make_ids(2, 150)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        cache = kvsieve.make_cache(llama_gqa, policy, 16)
+        decode = torch.cat(
+            [
+                llama_gqa(
+                    ids[:, i : i + 1],
+                    attention_mask=mask[:, : i + 1],
+                    position_ids=positions[:, i : i + 1],
+                    past_key_values=cache,
+                ).logits
+                for i in range(150)
+            ],
+            dim=1,
+        )
+        kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
+        cache = kvsieve.make_cache(llama_gqa, policy, 16)
+        cache.step_size = 1
+        whole = llama_gqa(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+    real = mask.bool()
+    torch.testing.assert_close(whole[real], decode[real], atol=1e-4, rtol=1e-4)
+    for a, b in zip(kept, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))], strict=True):
+        assert torch.equal(a, b)
 
 
 def _counting(step, calls: list[int]):

@@ -149,6 +149,7 @@ def slot_attention(
     window: int | None = None,
     observe: Callable[[Observation], None] | None = None,
     narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    restrict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     all_visible: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
@@ -157,7 +158,8 @@ def slot_attention(
     ``observe`` is given, the logits and fp32 probabilities are computed explicitly and passed block by block as an
     :class:`~kvsieve.policies.base.Observation`; otherwise torch's fused ``scaled_dot_product_attention`` runs
     and no probabilities exist. With ``observe``, ``narrow(logits, allowed)`` may restrict each query head's keys
-    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). ``all_visible``: the caller guarantees that every
+    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). ``restrict(key_pos, query_pos)`` (a position-only
+    ``[B, Hkv, b, N]`` mask) restricts what real queries see. ``all_visible``: the caller guarantees that every
     query is real and may attend to every slot (a decode step over real tokens without a window), so no mask is
     built. Returns ``[B, Hq, q, D]``.
     """
@@ -174,6 +176,8 @@ def slot_attention(
         qp = query_pos[:, start : start + rows]
         b = q_blk.shape[2]
         allowed = None if all_visible else visible_slots(key_pos, qp, window)
+        if restrict is not None:
+            allowed = allowed & (restrict(key_pos, qp) | (qp < 0)[:, None, :, None])
         if observe is not None:
             logits = torch.matmul(q_blk.reshape(bsz, n_kv_heads, group * b, head_dim), key.transpose(-1, -2))
             logits = logits.float().mul_(scaling).view(bsz, n_kv_heads, group, b, n_slots)

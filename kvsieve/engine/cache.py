@@ -35,6 +35,7 @@ from kvsieve.engine.schedules import split_budget
 from kvsieve.policies import Policy, Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
+CLOSED_FORM_CHUNK = 64  # minimum tokens per chunk when a position-only policy streams in closed form
 
 
 class PolicyPlan:
@@ -220,14 +221,22 @@ class SieveLayer(CacheLayerMixin):
         The step's tokens are processed in chunks of ``step_size`` (all at once when None), each chunk stored,
         attended, observed and evicted before the next — with ``step_size=1`` this is exactly the computation of
         feeding the tokens one at a time. When the policy's state does not depend on how rows are grouped
-        (``row_additive``, or no attention observed), the tokens that fit before the first eviction are one chunk.
+        (``row_additive``, or no attention observed), the tokens that fit before the first eviction are one chunk;
+        when its kept set is known in closed form (``stream_closed_form``), ``step_size=1`` runs chunks of
+        ``max(budget, 64)`` tokens whose queries see exactly what they would see one at a time, evicting after
+        each chunk (the cache briefly holds budget + chunk tokens).
         """
         (new_keys, new_values), self.pending = self.pending, None
         q = new_keys.shape[2]
         step = self.step_size or q
-        bounds = [*range(0, q, step), q]
         policy = self.policy
-        if step < q and (policy.row_additive or not policy.needs_attention):
+        # Position-only policies: what each query sees is known, so chunks of ~budget tokens are attended at once,
+        # evicted at their end (keys re-rotated by rank, under position rolling, depend on the step: not then).
+        closed_form = step == 1 and policy.stream_closed_form and self.rotary is None
+        if closed_form:
+            step = max(policy.budget, CLOSED_FORM_CHUNK)
+        bounds = [*range(0, q, step), q]
+        if step < q and not closed_form and (policy.row_additive or not policy.needs_attention):
             # Tokens that fit before the first eviction form one chunk: the same result, without the per-token loop.
             room = min(policy.budget - self.n, q) if policy.bounded else q
             if room > step:
@@ -240,6 +249,7 @@ class SieveLayer(CacheLayerMixin):
                 None if padding is None else padding[:, s:e].to(self.device),
                 scaling,
                 window,
+                closed_form,
             )
             for s, e in pairwise(bounds)
         ]
@@ -253,6 +263,7 @@ class SieveLayer(CacheLayerMixin):
         padding: torch.Tensor | None,
         scaling: float,
         window: int | None,
+        closed_form: bool = False,
     ) -> torch.Tensor:
         q = key_states.shape[2]
         start, total = self.n, self.n + q
@@ -291,6 +302,7 @@ class SieveLayer(CacheLayerMixin):
             window,
             observe=partial(policy.observe, slots) if policy.needs_attention else None,
             narrow=policy.narrow if policy.needs_attention and policy.narrows else None,
+            restrict=policy.stream_visible if closed_form and q > 1 else None,
             all_visible=q == 1 and padding is None and window is None and not self.holes,
         )
         self._evict(slots)

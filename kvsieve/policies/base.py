@@ -113,6 +113,9 @@ class Policy:
     """Whether observing query rows together in one step leaves the same state as observing them one step each
     (when nothing is evicted in between). The stream protocol then feeds the tokens that fit before the first
     eviction as one chunk. Policies without ``needs_attention`` never observe and are chunked anyway."""
+    stream_closed_form: ClassVar[bool] = False
+    """Whether the kept set depends on positions only, so that :meth:`stream_visible` gives in closed form what each
+    query sees when tokens are fed one at a time (the stream protocol then attends a whole chunk in one step)."""
     narrows: ClassVar[bool] = False
     """Whether :meth:`narrow` restricts the keys each query head attends to (only then is it called)."""
     attention_budget: ClassVar[bool] = False
@@ -162,6 +165,14 @@ class Policy:
         (causality, padding, window); the result must be a subset of it. Default: ``allowed`` unchanged (a view).
         """
         return allowed[:, :, None]
+
+    def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, H, b, N]``: whether the query at ``query_pos`` ``[B, b]`` still sees the token at ``key_pos``
+        ``[B, H, N]`` (both ≥ 0) when tokens are fed one at a time (only with ``stream_closed_form``).
+
+        Default (the ``local`` rule): the query at ``i`` sees ``i - budget .. i`` (the ``budget`` kept tokens and
+        itself)."""
+        return key_pos[:, :, None, :] >= query_pos[:, None, :, None] - self.budget
 
     def n_keep(self, n: int) -> int:
         """Slots to keep after a step that left ``n`` slots."""

@@ -26,6 +26,7 @@ class StreamingLLM(Policy):
     name = "streaming_llm"
     paper = "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv:2309.17453)"
     Params = StreamingLLMParams
+    stream_closed_form = True
 
     def setup(self) -> None:
         sink = self.params.sink
@@ -38,3 +39,8 @@ class StreamingLLM(Policy):
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         sinks = (slots.pos >= 0) & (slots.pos < self.params.sink)
         return slots.pos.to(torch.float32).masked_fill(sinks, float("inf"))
+
+    def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """The sinks and ``i - recent .. i``."""
+        kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]
+        return (kp < self.params.sink) | (kp >= qp - self.recent)
