@@ -20,7 +20,7 @@ receives the next decode token). ``get_seq_length()`` is the number of tokens se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import pairwise
 from typing import Any
@@ -103,6 +103,32 @@ def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tens
     return out
 
 
+def _state_index(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``index`` ``[B, H, 1]`` expanded over the trailing dimensions of the slot tensor ``t``."""
+    if t.dim() == 3:
+        return index
+    return index.view(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+
+
+def _write_slot(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    state: Iterable[torch.Tensor],
+    slot: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    new_pos: torch.Tensor,
+) -> None:
+    """In place: write one token per (row, head) into slot ``slot[b, h, 0]``; its policy state starts at zero."""
+    wide = slot[..., None].expand(*slot.shape, keys.shape[-1])
+    keys.scatter_(2, wide, new_keys)
+    values.scatter_(2, wide, new_values)
+    pos.scatter_(2, slot, new_pos)
+    for t in state:
+        t.scatter_(2, _state_index(slot, t), 0)
+
+
 def _move_slot(
     keys: torch.Tensor, values: torch.Tensor, others: Sequence[torch.Tensor], src: int, dst: torch.Tensor
 ) -> None:
@@ -111,8 +137,7 @@ def _move_slot(
     for t in (keys, values):
         t.scatter_(2, wide, t[:, :, src : src + 1].clone())  # the source must not alias the destination
     for t in others:
-        idx = dst if t.dim() == 3 else dst.view(*dst.shape, *([1] * (t.dim() - 3))).expand(*dst.shape, *t.shape[3:])
-        t.scatter_(2, idx, t[:, :, src : src + 1].clone())
+        t.scatter_(2, _state_index(dst, t), t[:, :, src : src + 1].clone())
 
 
 class SieveLayer(CacheLayerMixin):
@@ -132,6 +157,7 @@ class SieveLayer(CacheLayerMixin):
         self.state: dict[str, torch.Tensor] = {}
         self.real_seen: torch.Tensor | None = None
         self.holes = False  # whether slots in use may hold padding (position -1)
+        self.free: torch.Tensor | None = None  # [B, H, 1] the slot of the last decode step's victim (stale)
         self.n = 0
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -191,6 +217,7 @@ class SieveLayer(CacheLayerMixin):
         self.state = {}
         self.n = self.seen = 0
         self.holes = False
+        self.free = None
         self.pending = None
         self.policy = None
         self.is_initialized = False
@@ -266,23 +293,42 @@ class SieveLayer(CacheLayerMixin):
         closed_form: bool = False,
     ) -> torch.Tensor:
         q = key_states.shape[2]
+        if self.free is not None and q > 1:
+            self._compact()
         start, total = self.n, self.n + q
-        self._reserve(total)
-        if padding is None:
+        if padding is None and q == 1:
+            query_pos = self.real_seen[:, None]
+            self.real_seen = self.real_seen + 1
+        elif padding is None:
             query_pos = self.real_seen[:, None] + torch.arange(q, device=self.device)
-            self.real_seen += q
+            self.real_seen = self.real_seen + q
         else:
             query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
             self.real_seen += padding.sum(-1)
             self.holes = True
         if self.rotary is not None:  # store keys un-rotated (position rolling)
             key_states = self.rotary.rotate(key_states, -query_pos[:, None, :])
-        self.keys[:, :, start:total] = key_states
-        self.values[:, :, start:total] = value_states
-        self.pos[:, :, start:total] = query_pos[:, None, :]
-        for t in self.state.values():
-            t[:, :, start:total] = 0
-        self.n = total
+        if self.free is not None:  # a decode token takes the previous victim's slot
+            start, total = self.n - 1, self.n
+            _write_slot(
+                self.keys,
+                self.values,
+                self.pos,
+                self.state.values(),
+                self.free,
+                key_states,
+                value_states,
+                query_pos[:, None, :].expand_as(self.free),
+            )
+            self.free = None
+        else:
+            self._reserve(total)
+            self.keys[:, :, start:total] = key_states
+            self.values[:, :, start:total] = value_states
+            self.pos[:, :, start:total] = query_pos[:, None, :]
+            for t in self.state.values():
+                t[:, :, start:total] = 0
+            self.n = total
         keys = self.keys[:, :, :total]
         if self.rotary is not None:
             rank = ranks(self.pos[:, :, :total])
@@ -309,8 +355,10 @@ class SieveLayer(CacheLayerMixin):
         return out
 
     def slots(self) -> Slots:
-        """The policy's view of the slots in use."""
+        """The policy's view of the slots in use (during a step: every slot holds a token or padding)."""
         n = self.n
+        if n == self.keys.shape[2]:  # a full buffer (decode steps at the budget): no views needed
+            return Slots(self.pos, self.state, self.real_seen - 1, self.keys, self.values)
         return Slots(
             pos=self.pos[:, :, :n],
             state={k: v[:, :, :n] for k, v in self.state.items()},
@@ -318,6 +366,20 @@ class SieveLayer(CacheLayerMixin):
             keys=self.keys[:, :, :n],
             values=self.values[:, :, :n],
         )
+
+    def held_positions(self) -> torch.Tensor:
+        """``[B, H, tokens held]`` positions of the held tokens, in slot order (-1 = padding)."""
+        pos = self.pos[:, :, : self.n]
+        if self.free is None:
+            return pos.clone()
+        held = torch.ones_like(pos, dtype=torch.bool).scatter_(2, self.free, False)
+        return pos[held].view(*pos.shape[:2], self.n - 1)
+
+    def _compact(self) -> None:
+        """Close the stale slot of the last decode victim by moving the last slot into it."""
+        _move_slot(self.keys, self.values, [self.pos, *self.state.values()], self.n - 1, self.free)
+        self.n -= 1
+        self.free = None
 
     def _evict(self, slots: Slots) -> None:
         """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
@@ -327,6 +389,11 @@ class SieveLayer(CacheLayerMixin):
         scores = self.policy.keep_scores(slots)
         if self.holes:
             scores = scores.masked_fill(slots.pos < 0, float("-inf"))
+        if self.n - target == 1 and not self.holes and self.rotary is None:
+            # The victim's slot goes stale; the next decode token is written into it (no copy of the cache).
+            self.free = scores.argmin(dim=-1, keepdim=True)
+            self.pos.scatter_(2, self.free, -1)
+            return
         if self.n - target == 1:
             victim = scores.argmin(dim=-1, keepdim=True)
             _move_slot(self.keys, self.values, [self.pos, *self.state.values()], self.n - 1, victim)
@@ -355,6 +422,8 @@ class SieveLayer(CacheLayerMixin):
         self.state = {name: fn(t) for name, t in self.state.items()}
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.free is not None:
+            self._compact()
         if self.is_initialized:
             self._map_slots(fn)
             self.real_seen = fn(self.real_seen)
@@ -432,11 +501,11 @@ class SieveCache(Cache):
         layer = self.layers[layer_idx]
         if layer.pos is None:
             raise ValueError(f"layer {layer_idx} holds nothing yet")
-        return layer.pos[:, :, : layer.n].clone()
+        return layer.held_positions()
 
     def slot_counts(self) -> list[int]:
         """Slots in use per layer."""
-        return [layer.n for layer in self.layers]
+        return [layer.n - (layer.free is not None) for layer in self.layers]
 
     def capacities(self) -> list[int]:
         """Slots allocated per layer."""

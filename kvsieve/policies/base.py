@@ -195,7 +195,7 @@ class Policy:
 
 def recent_mask(slots: Slots, recent: int) -> torch.Tensor:
     """``[B, H, N]`` True for the ``recent`` newest real tokens of each row."""
-    return slots.age < recent
+    return (slots.pos > (slots.last - recent)[:, None, None]) & (slots.pos >= 0)
 
 
 def rank_newer_first(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
