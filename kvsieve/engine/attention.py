@@ -172,8 +172,11 @@ def slot_attention(
     shared_layout = q_len > 1 and (n_kv_heads == 1 or bool((key_pos == key_pos[:, :1]).all()))
     outputs = []
     for start in range(0, q_len, rows):
-        q_blk = query[:, :, start : start + rows]
-        qp = query_pos[:, start : start + rows]
+        q_blk, qp = (
+            (query, query_pos)
+            if rows >= q_len
+            else (query[:, :, start : start + rows], query_pos[:, start : start + rows])
+        )
         b = q_blk.shape[2]
         allowed = None if all_visible else visible_slots(key_pos, qp, window)
         if restrict is not None:

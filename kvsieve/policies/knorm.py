@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, rank_newer_first, recent_mask
+from kvsieve.policies.base import Policy, Slots, recent_mask
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class KNorm(Policy):
             raise ValueError(f"knorm: recent must be in [0, budget={self.budget}], got {self.params.recent}")
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        norm = slots.keys.float().norm(dim=-1).to(torch.float16).float()
-        score = rank_newer_first(-norm, slots.pos)
-        return score.masked_fill(recent_mask(slots, self.params.recent), float("inf"))
+        norm = slots.keys.float().norm(dim=-1).to(torch.float16)
+        # The bit patterns of non-negative float16 numbers order like their values (< 2**15): one exact float64
+        # key ranks the lowest norm first and, among equal norms, the newest token first.
+        score = slots.pos.double() - norm.view(torch.int16).double() * 2.0**32
+        if self.params.recent:
+            score = score.masked_fill(recent_mask(slots, self.params.recent), float("inf"))
+        return score

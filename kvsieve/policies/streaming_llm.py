@@ -37,8 +37,8 @@ class StreamingLLM(Policy):
         self.recent = self.budget - sink
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        sinks = (slots.pos >= 0) & (slots.pos < self.params.sink)
-        return slots.pos.to(torch.float32).masked_fill(sinks, float("inf"))
+        # padding (position -1) falls under the sinks here, but the engine never keeps it over real tokens
+        return slots.pos.to(torch.float32).masked_fill(slots.pos < self.params.sink, float("inf"))
 
     def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """The sinks and ``i - recent .. i``."""
