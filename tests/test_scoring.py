@@ -99,9 +99,11 @@ def _counting(step, calls: list[int]):
 
 
 # Float drift between the two loop orders (batched vs single-row projections) reaches ~5e-4 on logits of ~20 for
-# `random`; `topk_oracle` picks each query's top-k keys by logits, so near-equal logits can swap a key: for it
-# only the mean log-likelihood must agree.
-REAL_ATOL = {"random": 1e-3}
+# `random`; the closed-form policies attend a whole chunk with a mask instead of one token over its kept slots (a
+# different summation order in sdpa: ~2e-4 on a few of 4M logits). The kept sets are equal (checked on the tiny
+# model). `topk_oracle` picks each query's top-k keys by logits, so near-equal logits can swap a key: for it only
+# the mean log-likelihood must agree.
+REAL_ATOL = {"random": 1e-3, "local": 1e-3, "streaming_llm": 1e-3}
 
 
 @pytest.mark.slow
