@@ -296,11 +296,10 @@ class SieveLayer(CacheLayerMixin):
         if self.free is not None and q > 1:
             self._compact()
         start, total = self.n, self.n + q
-        if padding is None and q == 1:
-            query_pos = self.real_seen[:, None]
-            self.real_seen = self.real_seen + 1
-        elif padding is None:
-            query_pos = self.real_seen[:, None] + torch.arange(q, device=self.device)
+        if padding is None:  # (a decode step needs no arange)
+            query_pos = (
+                self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
+            )
             self.real_seen = self.real_seen + q
         else:
             query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
@@ -329,14 +328,14 @@ class SieveLayer(CacheLayerMixin):
             for t in self.state.values():
                 t[:, :, start:total] = 0
             self.n = total
-        keys = self.keys[:, :, :total]
+        slots = self.slots()
+        keys = slots.keys
         if self.rotary is not None:
-            rank = ranks(self.pos[:, :, :total])
+            rank = ranks(slots.pos)
             keys = self.rotary.rotate(keys, rank)
             group = query.shape[1] // keys.shape[1]
             query_rank = rank[:, :, start:total].repeat_interleave(group, dim=1)
             query = self.rotary.rotate(query, query_rank - query_pos[:, None, :])
-        slots = self.slots()
         policy = self.policy
         out = slot_attention(
             query,
@@ -389,13 +388,13 @@ class SieveLayer(CacheLayerMixin):
         scores = self.policy.keep_scores(slots)
         if self.holes:
             scores = scores.masked_fill(slots.pos < 0, float("-inf"))
-        if self.n - target == 1 and not self.holes and self.rotary is None:
-            # The victim's slot goes stale; the next decode token is written into it (no copy of the cache).
-            self.free = scores.argmin(dim=-1, keepdim=True)
-            self.pos.scatter_(2, self.free, -1)
-            return
         if self.n - target == 1:
             victim = scores.argmin(dim=-1, keepdim=True)
+            if not self.holes and self.rotary is None:
+                # The victim's slot goes stale; the next decode token is written into it (no copy of the cache).
+                self.free = victim
+                self.pos.scatter_(2, victim, -1)
+                return
             _move_slot(self.keys, self.values, [self.pos, *self.state.values()], self.n - 1, victim)
         else:
             keep = scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
