@@ -33,8 +33,10 @@ from kvsieve.policies.base import Observation, visible_slots
 ATTN_IMPLEMENTATION = "kvsieve"
 
 # Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
-# memory grows with rows·N, never q·N for long prompts.
-BLOCK_ELEMENTS = 1 << 25
+# memory grows with rows·N, never q·N for long prompts. 8 MiB blocks stay in cache: at 4,096 tokens the explicit
+# attention of a 2^21-element block runs 2x faster than of a 2^25 one (one CPU thread).
+BLOCK_ELEMENTS = 1 << 21
+MIN_BLOCK_ROWS = 16  # a floor, so that large batches over long caches do not loop over single rows
 
 
 class UnsupportedModelError(RuntimeError):
@@ -151,6 +153,7 @@ def slot_attention(
     narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     restrict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     all_visible: bool = False,
+    causal_tail: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
 
@@ -161,52 +164,72 @@ def slot_attention(
     further (see :meth:`~kvsieve.policies.base.Policy.narrow`). ``restrict(key_pos, query_pos)`` (a position-only
     ``[B, Hkv, b, N]`` mask) restricts what real queries see. ``all_visible``: the caller guarantees that every
     query is real and may attend to every slot (a decode step over real tokens without a window), so no mask is
-    built. Returns ``[B, Hq, q, D]``.
+    built. ``causal_tail``: the last ``q`` slots hold the queries' own tokens in query order (a step's new
+    tokens), so a block of query rows is computed over the slots up to its own last token only — the later ones
+    are invisible to it — and its observation covers those slots only (``Observation.key_pos`` says how many).
+    Returns ``[B, Hq, q, D]``.
     """
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = key.shape[1], key.shape[2]
     group = n_q_heads // n_kv_heads
-    rows = max(1, BLOCK_ELEMENTS // max(1, bsz * n_q_heads * n_slots))
+    rows = max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, bsz * n_q_heads * n_slots))
     # With one head layout (one KV head, or every head holding the same tokens in the same slots, as after a
     # fresh prompt), the sdpa mask broadcasts over heads instead of being copied per query head.
     shared_layout = q_len > 1 and (n_kv_heads == 1 or bool((key_pos == key_pos[:, :1]).all()))
+    # Observed prompt blocks whose earlier slots are all real and unrestricted need a mask on their diagonal only.
+    diagonal_only = (
+        observe is not None
+        and causal_tail
+        and q_len > 1
+        and window is None
+        and narrow is None
+        and restrict is None
+        and bool((key_pos >= 0).all())
+    )
+    # Keys transposed once, contiguous for a prompt: its logits' matmuls run ~1.5x faster than on a view.
+    key_t = key.transpose(-1, -2)
+    if observe is not None and q_len > 1:
+        key_t = key_t.contiguous()
     outputs = []
     for start in range(0, q_len, rows):
-        q_blk, qp = (
-            (query, query_pos)
-            if rows >= q_len
-            else (query[:, :, start : start + rows], query_pos[:, start : start + rows])
+        end = min(q_len, start + rows)
+        b = end - start
+        cols = n_slots - q_len + end if causal_tail else n_slots
+        q_blk, qp = query[:, :, start:end], query_pos[:, start:end]
+        k_blk, v_blk, kp = (
+            (key, value, key_pos) if cols == n_slots else (key[:, :, :cols], value[:, :, :cols], key_pos[:, :, :cols])
         )
-        b = q_blk.shape[2]
-        allowed = None if all_visible else visible_slots(key_pos, qp, window)
+        allowed = None if all_visible or diagonal_only else visible_slots(kp, qp, window)
         if restrict is not None:
-            allowed = allowed & (restrict(key_pos, qp) | (qp < 0)[:, None, :, None])
+            allowed = allowed & (restrict(kp, qp) | (qp < 0)[:, None, :, None])
         if observe is not None:
-            logits = torch.matmul(q_blk.reshape(bsz, n_kv_heads, group * b, head_dim), key.transpose(-1, -2))
-            logits = logits.float().mul_(scaling).view(bsz, n_kv_heads, group, b, n_slots)
+            q_fold = (q_blk * scaling).reshape(bsz, n_kv_heads, group * b, head_dim)
+            logits = torch.matmul(q_fold, key_t[..., :cols]).float().view(bsz, n_kv_heads, group, b, cols)
             if narrow is not None:
-                allowed = visible_slots(key_pos, qp, window) if allowed is None else allowed
+                allowed = visible_slots(kp, qp, window) if allowed is None else allowed
                 logits.masked_fill_(~narrow(logits, allowed), float("-inf"))
             elif allowed is not None:
                 logits.masked_fill_(~allowed[:, :, None], float("-inf"))
+            elif diagonal_only:
+                diagonal = visible_slots(kp[:, :, cols - b :], qp)
+                logits[..., cols - b :].masked_fill_(~diagonal[:, :, None], float("-inf"))
             probs = logits.softmax(dim=-1)
-            out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, n_slots).to(value.dtype), value)
+            out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, cols).to(value.dtype), v_blk)
             out = out.view(bsz, n_q_heads, b, -1)
             summed = probs.sum(dim=2)
             if not all_visible:
                 summed.mul_((qp >= 0)[:, None, :, None])
-            obs = Observation(summed, logits, qp, q_len, key_pos=key_pos, window=window, mask=allowed)
-            observe(obs)
+            observe(Observation(summed, logits, qp, q_len, key_pos=kp, window=window, mask=allowed))
         elif b == 1:
             # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
             q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)
-            out = F.scaled_dot_product_attention(q_fold, key, value, attn_mask=allowed, scale=scaling)
+            out = F.scaled_dot_product_attention(q_fold, k_blk, v_blk, attn_mask=allowed, scale=scaling)
             out = out.reshape(bsz, n_q_heads, 1, -1)
         else:
             if allowed is not None:
                 allowed = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
             out = F.scaled_dot_product_attention(
-                q_blk, key, value, attn_mask=allowed, scale=scaling, enable_gqa=group > 1
+                q_blk, k_blk, v_blk, attn_mask=allowed, scale=scaling, enable_gqa=group > 1
             )
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

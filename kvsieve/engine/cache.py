@@ -21,7 +21,6 @@ receives the next decode token). ``get_seq_length()`` is the number of tokens se
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
 from itertools import pairwise
 from typing import Any
 
@@ -345,26 +344,20 @@ class SieveLayer(CacheLayerMixin):
             query_pos,
             scaling,
             window,
-            observe=partial(policy.observe, slots) if policy.needs_attention else None,
+            observe=(lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs))
+            if policy.needs_attention
+            else None,
             narrow=policy.narrow if policy.needs_attention and policy.narrows else None,
             restrict=policy.stream_visible if closed_form and q > 1 else None,
             all_visible=q == 1 and padding is None and window is None and not self.holes,
+            causal_tail=not policy.observes_all_slots,  # (the step's tokens are the last q slots, in order)
         )
         self._evict(slots)
         return out
 
     def slots(self) -> Slots:
         """The policy's view of the slots in use (during a step: every slot holds a token or padding)."""
-        n = self.n
-        if n == self.keys.shape[2]:  # a full buffer (decode steps at the budget): no views needed
-            return Slots(self.pos, self.state, self.real_seen - 1, self.keys, self.values)
-        return Slots(
-            pos=self.pos[:, :, :n],
-            state={k: v[:, :, :n] for k, v in self.state.items()},
-            last=self.real_seen - 1,
-            keys=self.keys[:, :, :n],
-            values=self.values[:, :, :n],
-        )
+        return Slots(self.pos, self.state, self.real_seen - 1, self.keys, self.values).prefix(self.n)
 
     def held_positions(self) -> torch.Tensor:
         """``[B, H, tokens held]`` positions of the held tokens, in slot order (-1 = padding)."""

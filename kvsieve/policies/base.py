@@ -47,6 +47,18 @@ class Slots:
     values: torch.Tensor
     """``[B, H, N, D]`` cached values, read-only."""
 
+    def prefix(self, n: int) -> Slots:
+        """The first ``n`` slots (views; ``self`` when that is all of them)."""
+        if n == self.pos.shape[-1]:
+            return self
+        return Slots(
+            pos=self.pos[:, :, :n],
+            state={k: v[:, :, :n] for k, v in self.state.items()},
+            last=self.last,
+            keys=self.keys[:, :, :n],
+            values=self.values[:, :, :n],
+        )
+
     @property
     def age(self) -> torch.Tensor:
         """``[B, H, N]`` tokens since each slot's token (0 = newest); empty slots get a huge age."""
@@ -116,6 +128,9 @@ class Policy:
     stream_closed_form: ClassVar[bool] = False
     """Whether the kept set depends on positions only, so that :meth:`stream_visible` gives in closed form what each
     query sees when tokens are fed one at a time (the stream protocol then attends a whole chunk in one step)."""
+    observes_all_slots: ClassVar[bool] = False
+    """Whether :meth:`observe` needs every slot even for a block of prompt rows that can see only the slots before
+    its own last token (otherwise the engine computes and observes just those: the rest would get zero)."""
     narrows: ClassVar[bool] = False
     """Whether :meth:`narrow` restricts the keys each query head attends to (only then is it called)."""
     attention_budget: ClassVar[bool] = False
