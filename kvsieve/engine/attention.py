@@ -195,7 +195,7 @@ def slot_attention(
         end = min(q_len, start + rows)
         b = end - start
         cols = n_slots - q_len + end if causal_tail else n_slots
-        q_blk, qp = query[:, :, start:end], query_pos[:, start:end]
+        q_blk, qp = (query, query_pos) if b == q_len else (query[:, :, start:end], query_pos[:, start:end])
         k_blk, v_blk, kp = (
             (key, value, key_pos) if cols == n_slots else (key[:, :, :cols], value[:, :, :cols], key_pos[:, :, :cols])
         )
