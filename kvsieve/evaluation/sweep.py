@@ -44,7 +44,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from kvsieve.engine.budget import Budget, check_budget
-from kvsieve.evaluation.lm_eval_model import DEFAULT_MODEL, PROTOCOLS, KVSieveLM
+from kvsieve.evaluation.lm_eval_model import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, PROTOCOLS, KVSieveLM
 from kvsieve.evaluation.summarization import ROUGE_TYPES
 from kvsieve.evaluation.tasks import task_name
 from kvsieve.policies import get_policy
@@ -112,7 +112,13 @@ class Runner:
         if cell.task == "ppl":
             return self._perplexity(cell)
         lm = KVSieveLM(
-            model=model, tokenizer=tokenizer, policy=cell.policy, budget=cell.budget, protocol=self.settings.protocol
+            model=model,
+            tokenizer=tokenizer,
+            policy=cell.policy,
+            budget=cell.budget,
+            protocol=self.settings.protocol,
+            # XSum articles run from 200 to 3,000+ tokens: one at a time, no compute is spent on left padding.
+            batch_size=1 if cell.task == "xsum" else DEFAULT_BATCH_SIZE,
         )
         if cell.task == "xsum":
             from kvsieve.evaluation.summarization import evaluate_xsum
