@@ -272,6 +272,7 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         progress=not args.json,
+        compute=not args.report,
     )
     return {"computed": result.computed, "files": result.files, "rows": result.rows, "table": result.table}
 
@@ -440,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of Wikipedia text for the ppl task")
     p.add_argument("--jobs", type=int, default=1, help="processes computing cells (default 1)")
     p.add_argument("--threads", type=int, help="torch threads per process (1 is fastest on a busy machine)")
+    p.add_argument(
+        "--report", action="store_true", help="compute nothing: tables and plots of the finished cells (others: —)"
+    )
 
     p = sub.add_parser(
         "lm-eval",

@@ -76,6 +76,19 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner,
     assert run_sweep(tmp_path, ["ppl"], ["local", "h2o"], [0.1], progress=False).computed == 0
 
 
+def test_report_computes_nothing_and_shows_missing_cells(tmp_path, fake_runner) -> None:
+    run_sweep(tmp_path, ["social_iqa"], ["full", "h2o"], [0.1], settings=Settings(limit=3), progress=False)
+    calls = len(fake_runner)
+    result = run_sweep(
+        tmp_path, ["social_iqa"], ["full", "h2o"], [0.1, 0.5], settings=Settings(limit=3), progress=False, compute=False
+    )
+    assert result.computed == 0 and len(fake_runner) == calls
+    assert [r.get("missing", False) for r in result.rows] == [False, False, False, True]
+    assert "| h2o | 0.400 | — |" in result.table
+    lines = plot_metric(result.rows, "social_iqa", "acc").axes[0].get_lines()
+    assert list(lines[1].get_xdata()) == [10.0]  # no point for the missing cell
+
+
 def test_cells_at_full_budget_or_with_full_are_computed_as_full() -> None:
     assert Cell("ppl", "h2o", 1.0).computed_as() == Cell("ppl", "full", 1.0)
     assert Cell("ppl", "full", 0.2).computed_as() == Cell("ppl", "full", 1.0)

@@ -227,8 +227,12 @@ def run_sweep(
     device: str | None = None,
     dtype: str | None = None,
     progress: bool = True,
+    compute: bool = True,
 ) -> SweepResult:
     """Run the grid ``tasks × policies × budgets`` (missing cells only) and write the outputs into ``out``.
+
+    ``compute=False`` only writes the outputs of the cells already finished (the others are shown as missing:
+    "—" in the tables, no point in the plots), e.g. while a long sweep is still running.
 
     ``threads``: torch threads per process (default: torch's own with one job, ``cores // jobs`` with several; on a
     busy machine 1 is often much faster than oversubscribing the cores).
@@ -245,6 +249,7 @@ def run_sweep(
     out = Path(out)
     cells = [Cell(task, policy, budget) for task in tasks for policy in policies for budget in budgets]
     todo = [c for c in dict.fromkeys(cell.computed_as() for cell in cells) if _load_cell(out, c, settings) is None]
+    todo = todo if compute else []
     with tqdm(total=len(todo), desc="sweep cells", unit="cell", disable=not progress) as bar:
 
         def done(cell: Cell, result: dict[str, Any], seconds: float) -> None:
@@ -272,15 +277,9 @@ def run_sweep(
     rows = []
     for cell in cells:
         stored = _load_cell(out, cell.computed_as(), settings)
-        rows.append(
-            {
-                **asdict(cell),
-                "budget_label": budget_label(cell.budget),
-                "computed_as": cell.computed_as().policy,
-                **stored["result"],
-                "seconds": stored["seconds"],
-            }
-        )
+        found = {"missing": True} if stored is None else {**stored["result"], "seconds": stored["seconds"]}
+        label, computed_as = budget_label(cell.budget), cell.computed_as().policy
+        rows.append({**asdict(cell), "budget_label": label, "computed_as": computed_as, **found})
     files, table = write_outputs(out, rows, tasks)
     return SweepResult(rows=rows, computed=len(todo), files=files, table=table)
 
@@ -305,7 +304,10 @@ def plot_metric(rows: Sequence[dict[str, Any]], task: str, metric: str) -> Figur
     return fig
 
 
-def _format(metric: str, value: float | None) -> str:
+def _format(metric: str, row: dict[str, Any]) -> str:
+    if row.get("missing"):
+        return "—"
+    value = row.get(metric)
     if value is None:
         return "error"
     return f"{value:.3f}" if metric in MC_METRICS else f"{value:.2f}"
@@ -327,10 +329,7 @@ def markdown_tables(rows: Sequence[dict[str, Any]], tasks: Sequence[str]) -> str
                 "| policy | " + " | ".join(labels) + " |",
                 "|---|" + "---:|" * len(labels),
             ]
-            lines += [
-                f"| {p} | " + " | ".join(_format(metric, value[p, b].get(metric)) for b in labels) + " |"
-                for p in policies
-            ]
+            lines += [f"| {p} | " + " | ".join(_format(metric, value[p, b]) for b in labels) + " |" for p in policies]
             parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
