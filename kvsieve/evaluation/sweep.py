@@ -248,8 +248,8 @@ def run_sweep(
         check_budget(budget)
     out = Path(out)
     cells = [Cell(task, policy, budget) for task in tasks for policy in policies for budget in budgets]
-    todo = [c for c in dict.fromkeys(cell.computed_as() for cell in cells) if _load_cell(out, c, settings) is None]
-    todo = todo if compute else []
+    needed = dict.fromkeys(cell.computed_as() for cell in cells) if compute else {}
+    todo = [c for c in needed if _load_cell(out, c, settings) is None]
     with tqdm(total=len(todo), desc="sweep cells", unit="cell", disable=not progress) as bar:
 
         def done(cell: Cell, result: dict[str, Any], seconds: float) -> None:
