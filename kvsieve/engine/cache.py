@@ -267,19 +267,23 @@ class SieveLayer(CacheLayerMixin):
             room = min(policy.budget - self.n, q) if policy.bounded else q
             if room > step:
                 bounds = [0, *range(room, q, step), q]
+        if padding is not None:
+            padding = padding.to(self.device)
+        if len(bounds) == 2:  # one chunk (every decode step): no slicing
+            return self._step(query, new_keys, new_values, padding, scaling, window, closed_form)
         outputs = [
             self._step(
                 query[:, :, s:e],
                 new_keys[:, :, s:e],
                 new_values[:, :, s:e],
-                None if padding is None else padding[:, s:e].to(self.device),
+                None if padding is None else padding[:, s:e],
                 scaling,
                 window,
                 closed_form,
             )
             for s, e in pairwise(bounds)
         ]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        return torch.cat(outputs, dim=2)
 
     def _step(
         self,
@@ -380,7 +384,8 @@ class SieveLayer(CacheLayerMixin):
             return
         scores = self.policy.keep_scores(slots)
         if self.holes:
-            scores = scores.masked_fill(slots.pos < 0, float("-inf"))
+            lowest = float("-inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).min
+            scores = scores.masked_fill(slots.pos < 0, lowest)
         if self.n - target == 1:
             victim = scores.argmin(dim=-1, keepdim=True)
             if not self.holes and self.rotary is None:

@@ -8,8 +8,9 @@ engine owns the storage (slots) and calls the policy at each forward step of tha
    logits per query head, the attention mask), possibly in several blocks of query rows. Policies accumulate
    whatever statistics they need into their per-slot state.
 2. ``n_keep(n)`` — how many slots to keep after the step, given ``n`` slots now (``n`` includes the new tokens).
-3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot; the engine keeps the ``n_keep`` highest
-   (``+inf`` = protected). Empty and padding slots are never kept in place of real tokens.
+3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot, floating point or integer (a priority
+   built from positions alone need not be converted); the engine keeps the ``n_keep`` highest (``+inf``, or the
+   largest integer, = protected). Empty and padding slots are never kept in place of real tokens.
 
 A policy with ``needs_attention`` and ``narrows = True`` may also ``narrow(logits, allowed)`` the keys each query
 head attends to; ``topk_oracle`` does.
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+PROTECTED = torch.iinfo(torch.long).max
+"""The priority of a protected slot in an integer priority (one built from positions)."""
 
 
 @dataclass(frozen=True)
@@ -194,8 +198,8 @@ class Policy:
         return min(n, self.budget) if self.bounded else n
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        """``[B, H, N]`` priority of each slot (higher = kept). Default: recency."""
-        return slots.pos.to(torch.float32)
+        """``[B, H, N]`` priority of each slot (higher = kept). Default: recency (the positions themselves)."""
+        return slots.pos
 
     def describe(self) -> dict[str, Any]:
         """Name, paper, parameters with their values, and whether attention probabilities are needed."""

@@ -33,12 +33,16 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_draws(seed: int, step: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``[B, H, N]`` float64 draws in [0, 1), a hash of (seed, KV head, ``step`` ``[B]``, ``pos`` ``[B, H, N]``)."""
-    head = torch.arange(pos.shape[1], device=pos.device)[None, :, None]
-    x = _mix(torch.full_like(pos, seed & _U32))
-    x = _mix(x ^ head)
-    x = _mix(x ^ (step[:, None, None] & _U32))
+def head_hashes(seed: int, heads: int, device: torch.device) -> torch.Tensor:
+    """``[1, heads, 1]`` the hash of (seed, KV head): the part of :func:`uniform_draws` that no step changes."""
+    head = torch.arange(heads, device=device)[None, :, None]
+    return _mix(_mix(torch.full_like(head, seed & _U32)) ^ head)
+
+
+def uniform_draws(base: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]`` float64 draws in [0, 1), a hash of (seed, KV head) — ``base``, from :func:`head_hashes` —,
+    ``step`` ``[B]`` and ``pos`` ``[B, H, N]``."""
+    x = _mix(base ^ (step[:, None, None] & _U32))
     x = _mix(x ^ (pos & _U32))
     return x.to(torch.float64) / 2.0**32
 
@@ -61,9 +65,13 @@ class Random(Policy):
     Params = RandomParams
 
     def setup(self) -> None:
+        self.base: torch.Tensor | None = None
         if not 0 <= self.params.recent <= self.budget:
             raise ValueError(f"random: recent must be in [0, budget={self.budget}], got {self.params.recent}")
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        draws = uniform_draws(self.params.seed, slots.last, slots.pos)
+        heads, device = slots.pos.shape[1], slots.pos.device
+        if self.base is None or self.base.shape[1] != heads or self.base.device != device:
+            self.base = head_hashes(self.params.seed, heads, device)  # computed once per layer layout
+        draws = uniform_draws(self.base, slots.last, slots.pos)
         return draws.masked_fill(recent_mask(slots, self.params.recent), float("inf"))

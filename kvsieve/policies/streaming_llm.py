@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots
+from kvsieve.policies.base import PROTECTED, Policy, Slots
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class StreamingLLM(Policy):
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         # padding (position -1) falls under the sinks here, but the engine never keeps it over real tokens
-        return slots.pos.to(torch.float32).masked_fill(slots.pos < self.params.sink, float("inf"))
+        return slots.pos.masked_fill(slots.pos < self.params.sink, PROTECTED)
 
     def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """The sinks and ``i - recent .. i``."""

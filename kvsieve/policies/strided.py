@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, recent_mask
+from kvsieve.policies.base import PROTECTED, Policy, Slots, recent_mask
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,9 @@ class StridedParams:
 def pattern_scores(slots: Slots, protected: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     """Priorities of a static pattern fitted to a budget: ``protected`` tokens first, then the pattern's other
     ``candidate`` tokens newest first, then the remaining tokens newest first (they only fill a budget the pattern
-    leaves free)."""
-    pos = slots.pos.to(torch.float32)
-    others = pos - (slots.last[:, None, None] + 1).to(torch.float32)  # negative: below every candidate
-    return torch.where(candidate, pos, others).masked_fill(protected, float("inf"))
+    leaves free). Integer priorities (positions), so no conversion."""
+    others = slots.pos - (slots.last[:, None, None] + 1)  # negative: below every candidate
+    return torch.where(candidate, slots.pos, others).masked_fill(protected, PROTECTED)
 
 
 class Strided(Policy):
