@@ -139,6 +139,17 @@ def test_generation_streams_the_prompt_and_decodes_under_the_budget(tiny, tokeni
     assert cut == text.split(stop)[0]
 
 
+def test_generation_drops_the_oldest_context_tokens_beyond_the_positions(tiny, tokenizer, monkeypatch) -> None:
+    lm = _lm(tiny, tokenizer, policy="h2o", budget=0.5)
+    fed = []
+    monkeypatch.setattr(lm, "_generate", lambda prompts, *args: fed.extend(prompts) or [""] * len(prompts))
+    long, short = " ".join(str(i) for i in range(1500)), "A short prompt"
+    lm.generate([long, short], {"until": [], "max_gen_toks": 8})
+    ids = lm.tok_encode(long)
+    assert lm.max_length == 1024 and len(ids) > lm.max_length
+    assert sorted(fed, key=len) == [lm.tok_encode(short), ids[-(lm.max_length - 8) :]]
+
+
 @pytest.mark.slow
 def test_simple_evaluate_by_model_name_on_a_cached_bigbench_task() -> None:
     import lm_eval

@@ -111,6 +111,16 @@ def test_xsum_prompt_uses_the_chat_template(tokenizer) -> None:
     assert prompt.endswith("<|im_start|>assistant\n")
 
 
+def test_xsum_prompt_cuts_the_end_of_an_article_too_long_for_the_positions(tokenizer) -> None:
+    article = " ".join(f"Sentence {i} of a long article." for i in range(400))
+    whole = xsum_prompt(tokenizer, article)
+    assert xsum_prompt(tokenizer, article, len(tokenizer.encode(whole))) == whole
+    cut = xsum_prompt(tokenizer, article, 500)
+    assert len(tokenizer.encode(cut)) <= 500 < len(tokenizer.encode(whole))
+    assert "Summarize the following article in one sentence.\n\nSentence 0 of a long article." in cut
+    assert cut.endswith("<|im_start|>assistant\n") and "Sentence 399 " not in cut
+
+
 @pytest.mark.slow
 def test_xsum_rouge_on_two_articles_under_eviction(real_model) -> None:
     from kvsieve.evaluation.lm_eval_model import KVSieveLM

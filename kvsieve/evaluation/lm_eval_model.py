@@ -183,11 +183,15 @@ class KVSieveLM(TemplateLM):
             return make_cache(self.model, "full", None)
         return make_cache(self.model, self.policy, budget, **self.policy_kwargs)
 
+    def _fit(self, context: list[int], room: int) -> list[int]:
+        """``context`` without its oldest tokens if it and ``room`` more tokens exceed the model's positions."""
+        if self.max_length is not None and len(context) + room > self.max_length:
+            context = context[len(context) + room - self.max_length :]
+        return context
+
     def _truncate(self, context: list[int], continuation: list[int]) -> Pair:
         """Drop the oldest context tokens if the request is longer than the model's positions."""
-        if self.max_length is not None and len(context) + len(continuation) - 1 > self.max_length:
-            context = context[len(context) + len(continuation) - 1 - self.max_length :]
-        return context, continuation
+        return self._fit(context, len(continuation) - 1), continuation
 
     def _batches(
         self, keys: Sequence[Hashable], rows: Sequence[tuple[int, ...]]
@@ -279,7 +283,6 @@ class KVSieveLM(TemplateLM):
         kwargs_list = [gen_kwargs] * len(contexts) if isinstance(gen_kwargs, dict) else list(gen_kwargs)
         if len(kwargs_list) != len(contexts):
             raise ValueError(f"got {len(kwargs_list)} gen_kwargs for {len(contexts)} contexts")
-        prompts = [self.tok_encode(c) for c in contexts]
         settings = []
         for kwargs in kwargs_list:
             kwargs = dict(kwargs)
@@ -290,6 +293,9 @@ class KVSieveLM(TemplateLM):
             if not kwargs["do_sample"]:
                 kwargs.pop("temperature", None)
             settings.append((until, max_new, kwargs))
+        # As lm-eval's own models: a context too long for the positions loses its oldest tokens (a left-padded
+        # batch would otherwise pad every row to it).
+        prompts = [self._fit(self.tok_encode(c), s[1]) for c, s in zip(contexts, settings, strict=True)]
         keys = [
             (self.evicting_budget(len(p) + max_new), json.dumps(s, sort_keys=True))
             for p, s in zip(prompts, settings, strict=True)

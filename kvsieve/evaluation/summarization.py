@@ -4,7 +4,9 @@ Prompt: for a model with a chat template (SmolLM2-135M-Instruct, the default) th
 ``"Summarize the following article in one sentence.\\n\\n<article>"``, followed by the assistant generation prompt
 (the template adds its default system turn); for a model without one, BIG-bench's own ``gem/xsum`` format
 ``"summarize: <article>\\none-sentence summary:"``. Zero-shot: 5-shot XSum prompts would not fit a small model's
-useful context. Decoding is greedy, at most :data:`MAX_NEW_TOKENS` tokens, stopped at the first newline (the
+useful context. An article too long for the model's positions (with room for the summary) loses its end, so that
+the instruction stays (the first 100 articles include one of 16,616 tokens, twice SmolLM2's 8,192). Decoding is
+greedy, at most :data:`MAX_NEW_TOKENS` tokens, stopped at the first newline (the
 summary is one sentence) or EOS. The generation runs through :class:`~kvsieve.evaluation.lm_eval_model.KVSieveLM`,
 so a ratio budget is ``ratio · (prompt + max_new_tokens)`` tokens and the protocol (stream/prefill) applies to
 the prompt. Scores: ROUGE F-measures × 100 with Porter stemming (``rouge-score``, which works offline; ``evaluate.
@@ -25,6 +27,7 @@ from kvsieve.evaluation.tasks import load_xsum
 
 INSTRUCTION = "Summarize the following article in one sentence."
 MAX_NEW_TOKENS = 64
+CUT_MARGIN = 8
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
@@ -40,8 +43,19 @@ class XSumResult:
         return asdict(self)
 
 
-def xsum_prompt(tokenizer: PreTrainedTokenizerBase, article: str) -> str:
-    """The prompt asking for a one-sentence summary of ``article`` (see the module docs)."""
+def xsum_prompt(tokenizer: PreTrainedTokenizerBase, article: str, max_tokens: int | None = None) -> str:
+    """The prompt asking for a one-sentence summary of ``article`` (see the module docs), the article cut short if
+    the prompt would exceed ``max_tokens`` tokens."""
+    prompt = _render(tokenizer, article)
+    excess = 0 if max_tokens is None else len(tokenizer.encode(prompt)) - max_tokens
+    if excess > 0:
+        ids = tokenizer.encode(article, add_special_tokens=False)
+        # (a margin: the cut text may tokenize into a few more tokens than its ids)
+        prompt = _render(tokenizer, tokenizer.decode(ids[: max(0, len(ids) - excess - CUT_MARGIN)]))
+    return prompt
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, article: str) -> str:
     if tokenizer.chat_template:
         message = {"role": "user", "content": f"{INSTRUCTION}\n\n{article}"}
         return tokenizer.apply_chat_template([message], tokenize=False, add_generation_prompt=True)
@@ -62,7 +76,8 @@ def evaluate_xsum(
 ) -> XSumResult:
     """Summarize the first ``limit`` XSum articles (all 1,001 when None) under ``lm``'s policy and budget."""
     examples = load_xsum()[:limit]
-    prompts = [xsum_prompt(lm.tokenizer, e.article) for e in examples]
+    room = None if lm.max_length is None else lm.max_length - max_new_tokens
+    prompts = [xsum_prompt(lm.tokenizer, e.article, room) for e in examples]
     summaries = lm.generate(prompts, {"until": ["\n"], "max_gen_toks": max_new_tokens}, disable_tqdm=not progress)
     summaries = [s.strip() for s in summaries]
     scores = rouge(summaries, [e.summary for e in examples])
