@@ -117,7 +117,7 @@ class Runner:
             policy=cell.policy,
             budget=cell.budget,
             protocol=self.settings.protocol,
-            # XSum articles run from 200 to 3,000+ tokens: one at a time, no compute is spent on left padding.
+            # XSum prompts run from 200 to 8,000 tokens: one at a time, no compute is spent on left padding.
             batch_size=1 if cell.task == "xsum" else DEFAULT_BATCH_SIZE,
         )
         if cell.task == "xsum":
