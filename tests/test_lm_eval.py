@@ -148,6 +148,8 @@ def test_generation_drops_the_oldest_context_tokens_beyond_the_positions(tiny, t
     ids = lm.tok_encode(long)
     assert lm.max_length == 1024 and len(ids) > lm.max_length
     assert sorted(fed, key=len) == [lm.tok_encode(short), ids[-(lm.max_length - 8) :]]
+    with pytest.raises(ValueError, match="no room for a context"):
+        lm.generate([short], {"until": [], "max_gen_toks": lm.max_length})
 
 
 @pytest.mark.slow

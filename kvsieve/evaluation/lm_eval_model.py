@@ -289,6 +289,10 @@ class KVSieveLM(TemplateLM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            if self.max_length is not None and max_new >= self.max_length:
+                raise ValueError(
+                    f"max_gen_toks={max_new} leaves no room for a context in the model's {self.max_length} positions"
+                )
             kwargs.setdefault("do_sample", False)
             if not kwargs["do_sample"]:
                 kwargs.pop("temperature", None)
