@@ -76,31 +76,45 @@ def test_floor_takes_one_prompt_then_single_tokens(tiny, make_ids):
 # -- order, grid, ratios -------------------------------------------------------------------------------------------
 
 
-def test_interleaved_rounds_alternate_direction():
-    assert bench.interleaved(["a", "b", "c"], 3) == [
-        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c"),
-    ]  # fmt: skip
+def test_rounds_alternate_direction():
+    assert bench.rounds(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
     with pytest.raises(ValueError):
-        bench.interleaved(["a"], 0)
+        bench.rounds(["a"], 0)
 
 
-def test_run_bench_runs_repeats_interleaved(tiny, make_ids, monkeypatch):
+def test_run_bench_runs_repeats_in_rounds(tiny, make_ids, monkeypatch):
     calls = []
 
-    def fake_measure(model, policy, budget_tokens, ids, gen):
-        calls.append((policy, ids.shape[1]))
-        return bench.Run(1.0, [0.1] * (gen - 1), 100, 200, 10, 0, budget_tokens)
+    def fake_round(model, policies, budget_tokens, ids, gen):
+        calls.append((list(policies), ids.shape[1]))
+        return {p: bench.Run(1.0, [0.1] * (gen - 1), 100, 200, 10, 0, budget_tokens) for p in policies}
 
-    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "measure_round", fake_round)
     plan = bench.make_plan([(40, 3), (24, 3)], [1], ["h2o"])
     cells, skipped = bench.run_bench(tiny, make_ids(1, 64)[0], plan, budget=8, repeats=2, progress=False)
     assert skipped == []
-    warm = [c for c in calls if c[1] == 32]
-    assert sorted(p for p, _ in warm) == ["dynamic_full", "floor", "h2o"]
-    measured = calls[len(warm) :]
-    order = ["dynamic_full", "floor", "h2o", "h2o", "floor", "dynamic_full"]
-    assert measured == [(p, 40) for p in order] + [(p, 24) for p in order]
-    assert [(c.prompt_tokens, c.policy) for c in cells] == [(n, p) for n in (40, 24) for p in order[:3]]
+    order = ["dynamic_full", "floor", "h2o"]
+    assert calls == [(order, 32)] + [(o, n) for n in (40, 24) for o in (order, order[::-1])]  # warm-up, then rounds
+    assert [(c.prompt_tokens, c.policy) for c in cells] == [(n, p) for n in (40, 24) for p in order]
+
+
+def test_a_round_prefills_in_turn_then_decodes_in_lockstep(tiny, make_ids, monkeypatch):
+    order = []
+    next_token = bench._next_token
+
+    def recording(model, cache, ids):
+        order.append((type(cache).__name__, ids.shape[1], model.config._attn_implementation))
+        return next_token(model, cache, ids)
+
+    monkeypatch.setattr(bench, "_next_token", recording)
+    runs = bench.measure_round(tiny, ["floor", "h2o", "dynamic_full"], 8, make_ids(1, 20), 4)
+    kinds = [("FloorCache", "sdpa"), ("SieveCache", "kvsieve"), ("DynamicCache", "sdpa")]
+    assert order == [(c, 20, a) for c, a in kinds] + [(c, 1, a) for c, a in kinds] * 3
+    assert [len(r.step_s) for r in runs.values()] == [3, 3, 3]
+    assert runs["dynamic_full"].kv_bytes == 23 * _kv_bytes_per_slot(tiny)  # 20 + 3 tokens
+    assert all(r.peak_rss >= r.base_rss for r in runs.values())
+    with pytest.raises(ValueError, match="once per round"):
+        bench.measure_round(tiny, ["h2o", "h2o"], 8, make_ids(1, 20), 4)
 
 
 def _run(prefill: float, steps: list[float]) -> bench.Run:

@@ -15,16 +15,18 @@ Figures of a cell (medians over ``repeats`` runs; tokens count every batch row):
 - ``prefill_s``; ``decode_tok_s`` = batch·(gen−1) / decode time; ``throughput_tok_s`` = batch·gen / (prefill +
   decode time), the H2O paper's end-to-end metric, computed from the median prefill and decode times;
 - ``step_ms_p50`` / ``step_ms_p90``: percentiles of the decode steps of a run, median over runs;
-- ``peak_rss_mb``: the process's peak resident memory during the run. Before each run, freed heap memory is
-  returned to the OS (glibc ``malloc_trim``) and the kernel's peak mark is reset (``/proc/self/clear_refs`` ← 5),
-  so each run's peak is its own even though every run shares one process (which is what makes interleaving
-  possible). ``rss_growth_mb`` = peak − resident memory at the start of the run (weights and runtime excluded).
-  Where the reset is unavailable (not Linux) the peak is the process's peak so far;
+- ``rss_growth_mb``: the run's own peak memory beyond what the process held before it (weights, runtime, the other
+  policies' caches), ``peak_rss_mb`` = that growth on top of the resident memory at the start of the round. Before
+  each prefill, freed heap memory is returned to the OS (glibc ``malloc_trim``) and the kernel's peak mark is reset
+  (``/proc/self/clear_refs`` ← 5), so each prefill's peak is its own even though every run shares one process;
+  decode steps add the cache's growth (see :func:`measure_round`). Where the reset is unavailable (not Linux) the
+  peak is the process's peak so far;
 - ``kv_bytes``: key/value bytes allocated at the end of the run; ``state_bytes``: positions and policy state.
 
-Interleaving: the repeats of a grid point run in rounds; each round runs every policy once, odd rounds in
-reverse order (so drift and order effects fall evenly). Ratios to ``dynamic_full`` and ``floor`` are medians of
-per-round ratios, each between two runs made next to each other.
+Interleaving: the repeats of a grid point run in rounds; each round prefills every policy once (odd rounds in
+reverse order, so order effects fall evenly), then runs their decode steps in lockstep — one step of each policy
+in turn —, so every policy's steps meet the same machine state (a noisy machine's slow spells last seconds, a
+run's decode tens of seconds). Ratios to ``dynamic_full`` and ``floor`` are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
-from kvsieve.api import make_cache
+from kvsieve.api import make_cache, use_kvsieve_attention
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.engine.budget import Budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
@@ -229,12 +231,21 @@ class Run:
         return float(np.percentile(self.step_s, percentile)) * 1e3
 
 
+def use_attention(model: PreTrainedModel, policy: str) -> None:
+    """Switch the model to the attention implementation of ``policy``'s cache (plain ``"sdpa"`` for the references,
+    ``"kvsieve"`` for the policies)."""
+    if policy not in REFERENCES:
+        use_kvsieve_attention(model)
+    elif model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+
+
 def new_cache(model: PreTrainedModel, policy: str, budget_tokens: int) -> Cache:
     """A fresh cache for ``policy`` (a registered policy, ``dynamic_full`` or ``floor``), the model's attention
-    implementation switched to match (plain ``"sdpa"`` for the references, ``"kvsieve"`` for the policies)."""
+    implementation switched to match (see :func:`use_attention`)."""
+    use_attention(model, policy)
     if policy not in REFERENCES:
         return make_cache(model, policy, budget_tokens)
-    model.set_attn_implementation("sdpa")
     if policy == FLOOR:
         return FloorCache(budget_tokens, model.config.get_text_config().num_hidden_layers)
     return DynamicCache(config=model.config)
@@ -254,42 +265,75 @@ def _next_token(model: PreTrainedModel, cache: Cache, ids: torch.Tensor) -> torc
 
 
 @torch.inference_mode()
-def measure(model: PreTrainedModel, policy: str, budget_tokens: int, ids: torch.Tensor, gen: int) -> Run:
-    """Prefill ``ids`` ``[B, L]`` then run ``gen - 1`` decode steps through a fresh cache for ``policy``."""
+def measure_round(
+    model: PreTrainedModel, policies: Sequence[str], budget_tokens: int, ids: torch.Tensor, gen: int
+) -> dict[str, Run]:
+    """One round: the prefill of ``ids`` ``[B, L]`` through a fresh cache for each policy in turn, then their
+    ``gen - 1`` decode steps in lockstep (one step of each policy in turn), so that a slow spell of a noisy machine
+    falls on every policy's steps alike.
+
+    Memory: each prefill has its own peak mark (see the module docstring); the caches of the policies before it are
+    still held, so each run's growth is counted from the resident memory just before its prefill, and reported on top
+    of the resident memory at the start of the round. Decode steps add only the cache's growth (one token's
+    activations are negligible), so a run's growth is the larger of its prefill's peak growth and its resident
+    growth at the end of the prefill plus its cache's growth over the decode steps.
+    """
     if gen < 2:
         raise ValueError(f"gen must be at least 2 (the prefill generates the first token), got {gen}")
-    cache = new_cache(model, policy, budget_tokens)
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"each policy runs once per round, got {list(policies)}")
     reset_peak_rss()
-    base, _ = rss_bytes()
-    start = time.perf_counter()
-    token = _next_token(model, cache, ids)
-    prefill_s = time.perf_counter() - start
-    steps = []
-    for _ in range(gen - 1):
+    round_base, _ = rss_bytes()
+    caches, tokens, prefill_s, growth = {}, {}, {}, {}
+    for name in policies:
+        cache = caches[name] = new_cache(model, name, budget_tokens)
+        reset_peak_rss()
+        base, _ = rss_bytes()
         start = time.perf_counter()
-        token = _next_token(model, cache, token)
-        steps.append(time.perf_counter() - start)
-    _, peak = rss_bytes()
-    is_sieve = isinstance(cache, SieveCache)
-    return Run(
-        prefill_s=prefill_s,
-        step_s=steps,
-        base_rss=base,
-        peak_rss=peak,
-        kv_bytes=kv_nbytes(cache),
-        state_bytes=cache.state_nbytes() if is_sieve else 0,
-        tokens_held=max(cache.capacities()) if is_sieve else cache.layers[0].keys.shape[2],
-    )
+        tokens[name] = _next_token(model, cache, ids)
+        prefill_s[name] = time.perf_counter() - start
+        resident, peak = rss_bytes()
+        growth[name] = (peak - base, resident - base - _cache_bytes(cache))
+    steps: dict[str, list[float]] = {name: [] for name in policies}
+    for _ in range(gen - 1):
+        for name in policies:
+            use_attention(model, name)
+            start = time.perf_counter()
+            tokens[name] = _next_token(model, caches[name], tokens[name])
+            steps[name].append(time.perf_counter() - start)
+    runs = {}
+    for name, cache in caches.items():
+        prefill_peak, resident = growth[name]
+        is_sieve = isinstance(cache, SieveCache)
+        runs[name] = Run(
+            prefill_s=prefill_s[name],
+            step_s=steps[name],
+            base_rss=round_base,
+            peak_rss=round_base + max(prefill_peak, resident + _cache_bytes(cache)),
+            kv_bytes=kv_nbytes(cache),
+            state_bytes=cache.state_nbytes() if is_sieve else 0,
+            tokens_held=max(cache.capacities()) if is_sieve else cache.layers[0].keys.shape[2],
+        )
+    return runs
+
+
+def measure(model: PreTrainedModel, policy: str, budget_tokens: int, ids: torch.Tensor, gen: int) -> Run:
+    """Prefill ``ids`` ``[B, L]`` then run ``gen - 1`` decode steps through a fresh cache for ``policy``."""
+    return measure_round(model, [policy], budget_tokens, ids, gen)[policy]
+
+
+def _cache_bytes(cache: Cache) -> int:
+    return kv_nbytes(cache) + (cache.state_nbytes() if isinstance(cache, SieveCache) else 0)
 
 
 # -- the grid ----------------------------------------------------------------------------------------------------
 
 
-def interleaved(policies: Sequence[str], repeats: int) -> list[tuple[int, str]]:
-    """The run order of one grid point: ``(round, policy)``, every policy once per round, odd rounds reversed."""
+def rounds(policies: Sequence[str], repeats: int) -> list[list[str]]:
+    """The policy order of each round of one grid point: every policy once per round, odd rounds reversed."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    return [(r, name) for r in range(repeats) for name in (policies if r % 2 == 0 else list(policies)[::-1])]
+    return [list(policies) if r % 2 == 0 else list(policies)[::-1] for r in range(repeats)]
 
 
 def pair_lengths(prompts: Sequence[int], gens: Sequence[int]) -> list[tuple[int, int]]:
@@ -425,9 +469,7 @@ def _rows(tokens: torch.Tensor, point: GridPoint, device: torch.device) -> torch
 
 def warm_up(model: PreTrainedModel, tokens: torch.Tensor, policies: Iterable[str]) -> None:
     """One short run per policy (with eviction), so that no measured run pays for first-use initialisation."""
-    ids = tokens[:32].to(model.device)[None]
-    for name in policies:
-        measure(model, name, 16, ids, 3)
+    measure_round(model, list(policies), 16, tokens[:32].to(model.device)[None], 3)
 
 
 def run_bench(
@@ -460,10 +502,11 @@ def run_bench(
             budget_tokens = resolve_budget(budget, point.prompt)
             ids = _rows(tokens, point, model.device)
             runs: dict[str, list[Run]] = {name: [] for name in names}
-            for _, name in interleaved(names, repeats):
-                bar.set_postfix_str(f"{point.label} {name}")
-                runs[name].append(measure(model, name, budget_tokens, ids, point.gen))
-                bar.update()
+            for r, order in enumerate(rounds(names, repeats)):
+                bar.set_postfix_str(f"{point.label} round {r + 1}")
+                for name, run in measure_round(model, order, budget_tokens, ids, point.gen).items():
+                    runs[name].append(run)
+                bar.update(len(order))
             cells.extend(summarize(name, point, budget_tokens, runs[name], runs) for name in names)
     return cells, skipped
 
