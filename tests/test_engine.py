@@ -19,6 +19,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kvsieve
+from kvsieve.policies import REGISTRY, Slots, get_policy
 
 # --------------------------------------------------------------------------------------------------------------------
 # H2O against a naive reference attention
@@ -154,6 +155,46 @@ def test_window_policies_keep_exact_positions(llama_gqa, policy, kwargs, stream,
         seen[:] = [s + 1 for s in seen]
 
     stream(llama_gqa, cache, make_ids(2, 20), 30, attention_mask=mask, on_step=check)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Positional policies: one decision per step for the layers that share it
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [name for name, cls in REGISTRY.items() if cls.positional])
+@pytest.mark.parametrize(("schedule", "groups"), [("uniform", 1), ([1.0, 1.0, 2.0], 2)])
+def test_positional_layers_share_each_decision(llama_gqa, stream, make_ids, policy, schedule, groups) -> None:
+    """Layers with the same positional policy and budget compute their priorities once per round (the first layer)
+    and evict exactly what each would evict on its own, with padding holes, across a reset and under a schedule
+    that gives layers different budgets (then each budget is its own group)."""
+    cls = get_policy(policy)
+    calls: list[int] = []
+
+    class Counted(cls):
+        def keep_scores(self, slots: Slots) -> torch.Tensor:
+            calls.append(1)
+            return super().keep_scores(slots)
+
+    class Alone(cls):
+        positional = False
+
+    def run(cache: kvsieve.SieveCache) -> list[list[list[list[int]]]]:
+        cache.reset()
+        record = []
+        on_step = lambda: record.append([cache.positions(i).sort(dim=-1).values.tolist() for i in range(3)])  # noqa: E731
+        stream(llama_gqa, cache, make_ids(2, 20), steps, attention_mask=mask, on_step=on_step)
+        return record
+
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0
+    steps = 12
+    kept = []
+    for variant in (Counted, Alone, Counted):
+        cache = kvsieve.make_cache(llama_gqa, variant, 9, schedule=schedule)
+        kept += [run(cache) for _ in range(2 if variant is Counted else 1)]  # the second reuses it after a reset
+    assert all(run == kept[1] for run in kept)
+    assert len(calls) == 4 * (1 + steps) * groups  # four Counted runs, each: the prompt's round + one per token
 
 
 # --------------------------------------------------------------------------------------------------------------------

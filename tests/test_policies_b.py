@@ -271,7 +271,8 @@ def test_knorm_ties_keep_the_newer_token_whatever_the_slot_order() -> None:
     keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])  # norms 1, 1, 2
     for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
         pos = torch.tensor([5, 2, 7])[order].view(1, 1, 3)
-        slots = Slots(pos=pos, state={}, last=torch.tensor([7]), keys=keys[order].view(1, 1, 3, 2), values=keys)
+        state = policy.initial_state(keys[order].view(1, 1, 3, 2), pos)  # the priority is set when a token is cached
+        slots = Slots(pos=pos, state=state, last=torch.tensor([7]), keys=keys[order].view(1, 1, 3, 2), values=keys)
         ranked = policy.keep_scores(slots)[0, 0].argsort(descending=True)
         assert pos[0, 0, ranked].tolist() == [5, 2, 7]
 

@@ -186,10 +186,13 @@ def slot_attention(
         and restrict is None
         and bool((key_pos >= 0).all())
     )
-    # Keys transposed once for the explicit logits, contiguous for a prompt: its matmuls run ~1.5x faster.
-    key_t = None if observe is None else key.transpose(-1, -2)
-    if key_t is not None and q_len > 1:
-        key_t = key_t.contiguous()
+    # Keys transposed once for the explicit logits, contiguous for a prompt: its matmuls run ~1.5x faster. The
+    # explicit products are batched over (row, KV head) pairs (bmm: faster than a 4-D matmul for a decode step).
+    key_t = values_3d = None
+    if observe is not None:
+        key_t = key.transpose(-1, -2)
+        key_t = (key_t.contiguous() if q_len > 1 else key_t).reshape(bsz * n_kv_heads, head_dim, n_slots)
+        values_3d = value.reshape(bsz * n_kv_heads, n_slots, -1)
     outputs = []
     for start in range(0, q_len, rows):
         end = min(q_len, start + rows)
@@ -203,8 +206,9 @@ def slot_attention(
         if restrict is not None:
             allowed = allowed & (restrict(kp, qp) | (qp < 0)[:, None, :, None])
         if observe is not None:
-            q_fold = (q_blk * scaling).reshape(bsz, n_kv_heads, group * b, head_dim)
-            logits = torch.matmul(q_fold, key_t[..., :cols]).float().view(bsz, n_kv_heads, group, b, cols)
+            q_fold = (q_blk * scaling).reshape(bsz * n_kv_heads, group * b, head_dim)
+            logits = torch.bmm(q_fold, key_t if cols == n_slots else key_t[..., :cols])
+            logits = logits.float().view(bsz, n_kv_heads, group, b, cols)
             if narrow is not None:
                 allowed = visible_slots(kp, qp, window) if allowed is None else allowed
                 logits.masked_fill_(~narrow(logits, allowed), float("-inf"))
@@ -214,7 +218,8 @@ def slot_attention(
                 diagonal = visible_slots(kp[:, :, cols - b :], qp)
                 logits[..., cols - b :].masked_fill_(~diagonal[:, :, None], float("-inf"))
             probs = logits.softmax(dim=-1)
-            out = torch.matmul(probs.view(bsz, n_kv_heads, group * b, cols).to(value.dtype), v_blk)
+            weights = probs.view(bsz * n_kv_heads, group * b, cols).to(value.dtype)
+            out = torch.bmm(weights, values_3d if cols == n_slots else values_3d[:, :cols])
             out = out.view(bsz, n_q_heads, b, -1)
             summed = probs.sum(dim=2)
             if not (all_visible or diagonal_only):  # (otherwise no query is padding)

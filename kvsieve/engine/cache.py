@@ -44,6 +44,10 @@ class PolicyPlan:
     size (sliding-window layers), the budget they always use. The other layers (the policy layers) all get
     ``budget``, or, with ``weights`` (one per policy layer: a layer budget schedule), share the same total as
     :func:`~kvsieve.engine.schedules.split_budget` divides it.
+
+    Layers whose policy is ``positional`` and built from the same class, params and budget hold the same positions
+    at every step (they start empty, see the same tokens and decide from positions alone), so they evict the same
+    slots: :meth:`decide` computes that decision once per step, for the first of them, and hands it to the others.
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class PolicyPlan:
         self.weights = None if weights is None else list(weights)
         self.budget_tokens: int | None = None
         self._policies: list[Policy] | None = None
+        self._groups: list[tuple[Any, ...] | None] = []
+        self._decisions: dict[tuple[Any, ...], tuple[int, torch.Tensor]] = {}
         if self.budget is None or isinstance(self.budget, int):
             self.resolve(0)
 
@@ -79,11 +85,27 @@ class PolicyPlan:
                         raise
                     raise ValueError(f"layer {i} gets {budget} tokens under the layer schedule: {err}") from None
             self._policies = policies
+            self._groups = [
+                (cls, id(params), policy.budget) if policy.positional else None
+                for (cls, params, _), policy in zip(self.layer_policies, policies, strict=True)
+            ]
             self.budget_tokens = tokens
         return self._policies
 
+    def decide(self, layer_idx: int, step: int, choose: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``choose()`` for layer ``layer_idx`` at its ``step``-th eviction round, or the decision another layer of
+        its positional group already made for that round (the layers of a group run their rounds in lockstep)."""
+        group = self._groups[layer_idx]
+        if group is None:
+            return choose()
+        made = self._decisions.get(group)
+        if made is None or made[0] != step:
+            made = self._decisions[group] = (step, choose())
+        return made[1]
+
     def reset(self) -> None:
-        """Forget a ratio budget's resolution (the next prompt resolves it again)."""
+        """Forget the shared decisions and a ratio budget's resolution (the next prompt resolves it again)."""
+        self._decisions.clear()
         if isinstance(self.budget, float):
             self._policies = None
             self.budget_tokens = None
@@ -112,20 +134,18 @@ def _state_index(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def _write_slot(
     keys: torch.Tensor,
     values: torch.Tensor,
-    pos: torch.Tensor,
-    state: Iterable[torch.Tensor],
+    others: Iterable[tuple[torch.Tensor, torch.Tensor | int]],
     slot: torch.Tensor,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
-    new_pos: torch.Tensor,
 ) -> None:
-    """In place: write one token per (row, head) into slot ``slot[b, h, 0]``; its policy state starts at zero."""
-    wide = slot[..., None].expand(*slot.shape, keys.shape[-1])
+    """In place: write one token per (row, head) into slot ``slot[b, h, 0]`` of the keys, the values and each
+    ``(slot tensor, new entry)`` of ``others`` (positions, policy state)."""
+    wide = slot[..., None].expand(*slot.shape, keys.shape[-1])  # shared by keys and values
     keys.scatter_(2, wide, new_keys)
     values.scatter_(2, wide, new_values)
-    pos.scatter_(2, slot, new_pos)
-    for t in state:
-        t.scatter_(2, _state_index(slot, t), 0)
+    for t, new in others:
+        t.scatter_(2, _state_index(slot, t), new)
 
 
 def _move_slot(
@@ -154,11 +174,12 @@ class SieveLayer(CacheLayerMixin):
         self.policy: Policy | None = None
         self.pos: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
-        self.real_seen: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None  # [B] position of each row's newest real token (-1: none yet)
         self.holes = False  # whether slots in use may hold padding (position -1)
         self.free: torch.Tensor | None = None  # [B, H, 1] the slot of the last decode step's victim (stale)
         self.n = 0
         self.seen = 0
+        self.rounds = 0  # eviction rounds run (steps, or chunks of a step); never reset, so never reused
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step_size: int | None = None
         self.rotary: Rotary | None = None
@@ -175,7 +196,7 @@ class SieveLayer(CacheLayerMixin):
             name: torch.zeros((bsz, heads, 0, *extra), dtype=dtype, device=self.device)
             for name, (extra, dtype) in self.policy.state_spec().items()
         }
-        self.real_seen = torch.zeros(bsz, dtype=torch.long, device=self.device)
+        self.last = torch.full((bsz,), -1, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def update(
@@ -212,7 +233,7 @@ class SieveLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.pos = self.real_seen = None
+        self.keys = self.values = self.pos = self.last = None
         self.state = {}
         self.n = self.seen = 0
         self.holes = False
@@ -300,36 +321,29 @@ class SieveLayer(CacheLayerMixin):
             self._compact()
         start, total = self.n, self.n + q
         if padding is None:  # (a decode step needs no arange)
-            query_pos = (
-                self.real_seen[:, None] if q == 1 else self.real_seen[:, None] + torch.arange(q, device=self.device)
-            )
-            self.real_seen = self.real_seen + q
+            first = self.last + 1
+            query_pos = first[:, None] if q == 1 else first[:, None] + torch.arange(q, device=self.device)
+            self.last = first if q == 1 else self.last + q
         else:
-            query_pos = (self.real_seen[:, None] + padding.cumsum(-1) - 1).masked_fill(~padding, -1)
-            self.real_seen += padding.sum(-1)
+            query_pos = (self.last[:, None] + padding.cumsum(-1)).masked_fill(~padding, -1)
+            self.last = self.last + padding.sum(-1)
             self.holes = True
         if self.rotary is not None:  # store keys un-rotated (position rolling)
             key_states = self.rotary.rotate(key_states, -query_pos[:, None, :])
+        new_pos = query_pos[:, None, :].expand(key_states.shape[:3])
+        initial = self.policy.initial_state(key_states, new_pos)
+        if self.free is None:
+            self._reserve(total)
+        others = [(self.pos, new_pos), *((t, initial.get(name, 0)) for name, t in self.state.items())]
         if self.free is not None:  # a decode token takes the previous victim's slot
             start, total = self.n - 1, self.n
-            _write_slot(
-                self.keys,
-                self.values,
-                self.pos,
-                self.state.values(),
-                self.free,
-                key_states,
-                value_states,
-                query_pos[:, None, :].expand_as(self.free),
-            )
+            _write_slot(self.keys, self.values, others, self.free, key_states, value_states)
             self.free = None
         else:
-            self._reserve(total)
             self.keys[:, :, start:total] = key_states
             self.values[:, :, start:total] = value_states
-            self.pos[:, :, start:total] = query_pos[:, None, :]
-            for t in self.state.values():
-                t[:, :, start:total] = 0
+            for t, new in others:
+                t[:, :, start:total] = new
             self.n = total
         slots = self.slots()
         keys = slots.keys
@@ -361,7 +375,7 @@ class SieveLayer(CacheLayerMixin):
 
     def slots(self) -> Slots:
         """The policy's view of the slots in use (during a step: every slot holds a token or padding)."""
-        return Slots(self.pos, self.state, self.real_seen - 1, self.keys, self.values).prefix(self.n)
+        return Slots(self.pos, self.state, self.last, self.keys, self.values).prefix(self.n)
 
     def held_positions(self) -> torch.Tensor:
         """``[B, H, tokens held]`` positions of the held tokens, in slot order (-1 = padding)."""
@@ -379,28 +393,35 @@ class SieveLayer(CacheLayerMixin):
 
     def _evict(self, slots: Slots) -> None:
         """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
+        self.rounds += 1
         target = self.policy.n_keep(self.n)
         if target >= self.n:
             return
+        chosen = self.plan.decide(self.layer_idx, self.rounds, lambda: self._choose(slots, target))
+        if self.n - target == 1:
+            victim = chosen
+            if not self.holes and self.rotary is None:
+                # The victim's slot goes stale; the next decode token is written into it (no copy of the cache).
+                self.free = victim
+                return
+            _move_slot(self.keys, self.values, [self.pos, *self.state.values()], self.n - 1, victim)
+        else:
+            capacity = self._limit()
+            self._map_slots(lambda t: _gathered(t, chosen, capacity))
+        self.n = target
+        if self.holes:
+            self.holes = bool((self.pos[:, :, :target] < 0).any())
+
+    def _choose(self, slots: Slots, target: int) -> torch.Tensor:
+        """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
+        kept ``[B, H, target]``, in slot order."""
         scores = self.policy.keep_scores(slots)
         if self.holes:
             lowest = float("-inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).min
             scores = scores.masked_fill(slots.pos < 0, lowest)
         if self.n - target == 1:
-            victim = scores.argmin(dim=-1, keepdim=True)
-            if not self.holes and self.rotary is None:
-                # The victim's slot goes stale; the next decode token is written into it (no copy of the cache).
-                self.free = victim
-                self.pos.scatter_(2, victim, -1)
-                return
-            _move_slot(self.keys, self.values, [self.pos, *self.state.values()], self.n - 1, victim)
-        else:
-            keep = scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
-            capacity = self._limit()
-            self._map_slots(lambda t: _gathered(t, keep, capacity))
-        self.n = target
-        if self.holes:
-            self.holes = bool((self.pos[:, :, :target] < 0).any())
+            return scores.argmin(dim=-1, keepdim=True)
+        return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
 
     # -- storage ------------------------------------------------------------------------------------------------
 
@@ -423,7 +444,7 @@ class SieveLayer(CacheLayerMixin):
             self._compact()
         if self.is_initialized:
             self._map_slots(fn)
-            self.real_seen = fn(self.real_seen)
+            self.last = fn(self.last)
 
     # -- introspection ------------------------------------------------------------------------------------------
 
@@ -440,7 +461,7 @@ class SieveLayer(CacheLayerMixin):
         """Bytes allocated for positions and policy state."""
         if self.pos is None:
             return 0
-        return self.pos.nbytes + self.real_seen.nbytes + sum(t.nbytes for t in self.state.values())
+        return self.pos.nbytes + self.last.nbytes + sum(t.nbytes for t in self.state.values())
 
 
 class SieveCache(Cache):

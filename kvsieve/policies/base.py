@@ -16,7 +16,8 @@ A policy with ``needs_attention`` and ``narrows = True`` may also ``narrow(logit
 head attends to; ``topk_oracle`` does.
 
 Per-slot state is declared by ``state_spec`` and stored by the engine next to the keys (slot dimension 2), so it
-moves with its token when slots are evicted, compacted or reordered. New slots start at zero.
+moves with its token when slots are evicted, compacted or reordered. New slots start at zero, or at what
+``initial_state`` gives them.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ class Policy:
     observes_all_slots: ClassVar[bool] = False
     """Whether :meth:`observe` needs every slot even for a block of prompt rows that can see only the slots before
     its own last token (otherwise the engine computes and observes just those: the rest would get zero)."""
+    positional: ClassVar[bool] = False
+    """Whether :meth:`keep_scores` depends on the slots' positions (``pos``, ``last``) and the policy's parameters
+    only, never on keys, values or state: every layer with the same policy, parameters and budget then holds the same
+    positions and evicts the same slots, and the engine computes that decision once per step for all of them."""
     narrows: ClassVar[bool] = False
     """Whether :meth:`narrow` restricts the keys each query head attends to (only then is it called)."""
     attention_budget: ClassVar[bool] = False
@@ -171,6 +176,14 @@ class Policy:
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-slot state: name → (extra trailing dims, dtype)."""
+        return {}
+
+    def initial_state(self, keys: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-slot state of tokens being cached, from their keys ``[B, H, q, D]`` (as cached) and positions
+        ``[B, H, q]`` (-1 = padding): name → ``[B, H, q, ...]``. States not named start at zero. Default: none.
+
+        A priority that never changes once a token is cached is computed here, once per token, instead of over
+        every slot at every step."""
         return {}
 
     def observe(self, slots: Slots, obs: Observation) -> None:
@@ -213,8 +226,11 @@ class Policy:
 
 
 def recent_mask(slots: Slots, recent: int) -> torch.Tensor:
-    """``[B, H, N]`` True for the ``recent`` newest real tokens of each row."""
-    return (slots.pos > (slots.last - recent)[:, None, None]) & (slots.pos >= 0)
+    """``[B, H, N]`` True for the ``recent`` newest real tokens of each row, for ``keep_scores``.
+
+    Padding slots (position -1) are marked too while a row has seen fewer than ``recent`` tokens: the engine never
+    keeps padding over real tokens, whatever its priority."""
+    return slots.pos > (slots.last - recent).view(-1, 1, 1)
 
 
 def rank_newer_first(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ class Fixed(Policy):
     name = "fixed"
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (arXiv:1904.10509)"
     Params = FixedParams
+    positional = True
 
     def setup(self) -> None:
         p = self.params

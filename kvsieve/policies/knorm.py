@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, recent_mask
+from kvsieve.policies.base import PROTECTED, Policy, Slots, recent_mask
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class KNorm(Policy):
     Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024
     (arXiv:2406.11430): a low key norm goes with high attention, so after each step that leaves more than
     ``budget`` tokens, the highest-norm keys are evicted (as kvpress' ``KnormPress``: score ``-‖k‖``). The norm is
-    the fp32 L2 norm of the cached key per KV head; RoPE is a rotation, so it is the pre-RoPE norm too.
+    the fp32 L2 norm of the cached key per KV head; RoPE is a rotation, so it is the pre-RoPE norm too. It is computed
+    once, when the token is cached, and kept as a per-slot priority.
 
     Choices: norms are compared at float16 resolution (about 3 significant digits), so floating-point round-off
     of the key projection or of RoPE cannot decide between equal keys; equal norms (e.g. the same token at two
@@ -38,11 +39,17 @@ class KNorm(Policy):
         if not 0 <= self.params.recent <= self.budget:
             raise ValueError(f"knorm: recent must be in [0, budget={self.budget}], got {self.params.recent}")
 
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        norm = slots.keys.float().norm(dim=-1).to(torch.float16)
-        # The bit patterns of non-negative float16 numbers order like their values (< 2**15): one exact float64
+    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"priority": ((), torch.int64)}
+
+    def initial_state(self, keys: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        norm = torch.linalg.vector_norm(keys.float(), dim=-1).to(torch.float16)
+        # The bit patterns of non-negative float16 numbers order like their values (< 2**15): one exact integer
         # key ranks the lowest norm first and, among equal norms, the newest token first.
-        score = slots.pos.double() - norm.view(torch.int16).double() * 2.0**32
+        return {"priority": torch.sub(pos, norm.view(torch.int16), alpha=2**32)}
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        priority = slots.state["priority"]
         if self.params.recent:
-            score = score.masked_fill(recent_mask(slots, self.params.recent), float("inf"))
-        return score
+            priority = priority.masked_fill(recent_mask(slots, self.params.recent), PROTECTED)
+        return priority

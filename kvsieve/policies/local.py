@@ -14,4 +14,5 @@ class Local(Policy):
 
     name = "local"
     stream_closed_form = True
+    positional = True
     paper = "Beltagy et al., Longformer, 2020 (window attention baseline in H2O / StreamingLLM)"

@@ -63,6 +63,7 @@ class Random(Policy):
     name = "random"
     paper = "uniform random eviction (baseline in H2O, Zhang et al. 2023, arXiv:2306.14048)"
     Params = RandomParams
+    positional = True
 
     def setup(self) -> None:
         self.base: torch.Tensor | None = None

@@ -27,6 +27,7 @@ class StreamingLLM(Policy):
     paper = "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv:2309.17453)"
     Params = StreamingLLMParams
     stream_closed_form = True
+    positional = True
 
     def setup(self) -> None:
         sink = self.params.sink

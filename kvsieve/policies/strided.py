@@ -46,6 +46,7 @@ class Strided(Policy):
     name = "strided"
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (arXiv:1904.10509)"
     Params = StridedParams
+    positional = True
 
     def setup(self) -> None:
         p = self.params
