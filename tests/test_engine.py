@@ -19,6 +19,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kvsieve
+from kvsieve.engine.cache import SieveLayer
 from kvsieve.policies import REGISTRY, Slots, get_policy
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -195,6 +196,30 @@ def test_positional_layers_share_each_decision(llama_gqa, stream, make_ids, poli
         kept += [run(cache) for _ in range(2 if variant is Counted else 1)]  # the second reuses it after a reset
     assert all(run == kept[1] for run in kept)
     assert len(calls) == 4 * (1 + steps) * groups  # four Counted runs, each: the prompt's round + one per token
+
+
+def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, make_ids, monkeypatch) -> None:
+    """The first layer of a one-chunk step computes the positions for every layer (sliding and global ones alike,
+    with padding), and the outputs are those of each layer computing them alone."""
+    calls = []
+    positions = SieveLayer._positions
+
+    def counted(self, padding, q, heads):
+        calls.append(self.layer_idx)
+        return positions(self, padding, q, heads)
+
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0
+    runs = []
+    for shared in (True, False):
+        cache = kvsieve.make_cache(gemma3, "h2o", 9)
+        if not shared:  # every layer computes everything itself
+            cache.plan.share = lambda what, stamp, make: make()
+        runs.append(stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask))
+    assert torch.equal(runs[0], runs[1])
+    monkeypatch.setattr(SieveLayer, "_positions", counted)
+    stream(gemma3, kvsieve.make_cache(gemma3, "h2o", 9), make_ids(2, 20), 5, attention_mask=mask)
+    assert calls == [0] * 6  # the prompt, then each token
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ receives the next decode token). ``get_seq_length()`` is the number of tokens se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -33,6 +33,7 @@ from kvsieve.engine.rope import Rotary, ranks
 from kvsieve.engine.schedules import split_budget
 from kvsieve.policies import Policy, Slots
 
+T = TypeVar("T")
 GROWTH = 64  # minimum slots added when a buffer grows
 CLOSED_FORM_CHUNK = 64  # minimum tokens per chunk when a position-only policy streams in closed form
 
@@ -45,9 +46,12 @@ class PolicyPlan:
     ``budget``, or, with ``weights`` (one per policy layer: a layer budget schedule), share the same total as
     :func:`~kvsieve.engine.schedules.split_budget` divides it.
 
-    Layers whose policy is ``positional`` and built from the same class, params and budget hold the same positions
-    at every step (they start empty, see the same tokens and decide from positions alone), so they evict the same
-    slots: :meth:`decide` computes that decision once per step, for the first of them, and hands it to the others.
+    The plan is also what the layers of one cache share within a step (:meth:`share`, which keeps the latest value
+    of each kind). Every layer sees the same tokens, so the positions of a one-chunk step (every decode step) are
+    computed once, by the first layer. Layers whose policy is ``positional`` and built from the same class, params
+    and budget hold the same positions at every step (they start empty, see the same tokens and decide from
+    positions alone), so they evict the same slots: :meth:`decide` computes that decision once per step, for the
+    first of them, and hands it to the others.
     """
 
     def __init__(
@@ -65,7 +69,7 @@ class PolicyPlan:
         self.budget_tokens: int | None = None
         self._policies: list[Policy] | None = None
         self._groups: list[tuple[Any, ...] | None] = []
-        self._decisions: dict[tuple[Any, ...], tuple[int, torch.Tensor]] = {}
+        self._shared: dict[Hashable, tuple[Hashable, Any]] = {}
         if self.budget is None or isinstance(self.budget, int):
             self.resolve(0)
 
@@ -92,20 +96,23 @@ class PolicyPlan:
             self.budget_tokens = tokens
         return self._policies
 
+    def share(self, what: Hashable, stamp: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, or the value of ``what`` that another layer already made under the same ``stamp`` (the
+        latest value of each ``what`` is kept)."""
+        made = self._shared.get(what)
+        if made is None or made[0] != stamp:
+            made = self._shared[what] = (stamp, make())
+        return made[1]
+
     def decide(self, layer_idx: int, step: int, choose: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``choose()`` for layer ``layer_idx`` at its ``step``-th eviction round, or the decision another layer of
         its positional group already made for that round (the layers of a group run their rounds in lockstep)."""
         group = self._groups[layer_idx]
-        if group is None:
-            return choose()
-        made = self._decisions.get(group)
-        if made is None or made[0] != step:
-            made = self._decisions[group] = (step, choose())
-        return made[1]
+        return choose() if group is None else self.share(group, step, choose)
 
     def reset(self) -> None:
-        """Forget the shared decisions and a ratio budget's resolution (the next prompt resolves it again)."""
-        self._decisions.clear()
+        """Forget what the layers shared and a ratio budget's resolution (the next prompt resolves it again)."""
+        self._shared.clear()
         if isinstance(self.budget, float):
             self._policies = None
             self.budget_tokens = None
@@ -301,6 +308,7 @@ class SieveLayer(CacheLayerMixin):
                 scaling,
                 window,
                 closed_form,
+                s,
             )
             for s, e in pairwise(bounds)
         ]
@@ -315,22 +323,19 @@ class SieveLayer(CacheLayerMixin):
         scaling: float,
         window: int | None,
         closed_form: bool = False,
+        offset: int = 0,
     ) -> torch.Tensor:
-        q = key_states.shape[2]
+        """One chunk of the pending step: its tokens start at index ``offset`` of the step's tokens."""
+        q, heads = key_states.shape[2], key_states.shape[1]
         if self.free is not None and q > 1:
             self._compact()
         start, total = self.n, self.n + q
-        if padding is None:  # (a decode step needs no arange)
-            first = self.last + 1
-            query_pos = first[:, None] if q == 1 else first[:, None] + torch.arange(q, device=self.device)
-            self.last = first if q == 1 else self.last + q
-        else:
-            query_pos = (self.last[:, None] + padding.cumsum(-1)).masked_fill(~padding, -1)
-            self.last = self.last + padding.sum(-1)
-            self.holes = True
+        query_pos, self.last, new_pos = self.plan.share(
+            "positions", (self.seen, offset, q, heads), lambda: self._positions(padding, q, heads)
+        )
+        self.holes |= padding is not None
         if self.rotary is not None:  # store keys un-rotated (position rolling)
             key_states = self.rotary.rotate(key_states, -query_pos[:, None, :])
-        new_pos = query_pos[:, None, :].expand(key_states.shape[:3])
         initial = self.policy.initial_state(key_states, new_pos)
         if self.free is None:
             self._reserve(total)
@@ -372,6 +377,20 @@ class SieveLayer(CacheLayerMixin):
         )
         self._evict(slots)
         return out
+
+    def _positions(
+        self, padding: torch.Tensor | None, q: int, heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's query positions ``[B, q]`` (-1 = padding), each row's newest position after it ``[B]``, and
+        the positions to store ``[B, heads, q]``: the same in every layer."""
+        if padding is None:  # (a decode step needs no arange)
+            first = self.last + 1
+            query_pos = first[:, None] if q == 1 else first[:, None] + torch.arange(q, device=self.device)
+            last = first if q == 1 else self.last + q
+        else:
+            query_pos = (self.last[:, None] + padding.cumsum(-1)).masked_fill(~padding, -1)
+            last = self.last + padding.sum(-1)
+        return query_pos, last, query_pos[:, None, :].expand(-1, heads, -1)
 
     def slots(self) -> Slots:
         """The policy's view of the slots in use (during a step: every slot holds a token or padding)."""
