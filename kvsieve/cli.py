@@ -416,7 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policies", nargs="+", default=list(bench.DEFAULT_POLICIES), help="+ references (%(default)s)")
     p.add_argument("--budget", type=_budget, default=bench.DEFAULT_BUDGET, help="tokens (default 512) or a ratio")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per cell; medians are reported")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds per grid point (prefills in turn, decode steps in lockstep); medians are reported",
+    )
     p.add_argument("--plot", help="write a PNG of decode tokens/s vs context length")
     p.add_argument("--targets", action="store_true", help="run exactly the cells of the issue's targets (budget 512)")
     p.add_argument("--mem-cap-gb", type=float, help="also the largest batch under this memory, full vs each policy")

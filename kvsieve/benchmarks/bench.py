@@ -480,7 +480,8 @@ def run_bench(
     repeats: int = 3,
     progress: bool = True,
 ) -> tuple[list[Cell], list[dict[str, Any]]]:
-    """Run ``plan`` (grid points with their policies, e.g. from :func:`make_plan`) with interleaved repeats.
+    """Run ``plan`` (grid points with their policies, e.g. from :func:`make_plan`) in ``repeats`` rounds each (see
+    :func:`measure_round`).
 
     ``tokens``: ``[n]`` ids, the prompts' source. ``budget``: tokens, or a ratio of each prompt. Returns the cells
     and the skipped grid points (their prompt and generation lengths, batch size and the reason).
@@ -861,7 +862,7 @@ def format_report(result: dict[str, Any]) -> str:
         mark = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
         lines.append(f"  [{mark}] {t['target']}: {t['measured']}")
     lines.append(
-        f"(medians of {result['repeats']} interleaved repeats; {result['threads']} torch threads on "
+        f"(medians of {result['repeats']} rounds, decode steps in lockstep; {result['threads']} torch threads on "
         f"{result['device']}, load average {result['load_avg']:.1f} at the start; peak RSS per run: "
         f"{result['rss_method']})"
     )
