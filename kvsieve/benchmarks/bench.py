@@ -293,7 +293,7 @@ def measure_round(
         tokens[name] = _next_token(model, cache, ids)
         prefill_s[name] = time.perf_counter() - start
         resident, peak = rss_bytes()
-        growth[name] = (peak - base, resident - base - _cache_bytes(cache))
+        growth[name] = (peak - base, resident - base - sum(_held_bytes(cache)))
     steps: dict[str, list[float]] = {name: [] for name in policies}
     for _ in range(gen - 1):
         for name in policies:
@@ -304,15 +304,15 @@ def measure_round(
     runs = {}
     for name, cache in caches.items():
         prefill_peak, resident = growth[name]
-        is_sieve = isinstance(cache, SieveCache)
+        kv, state = _held_bytes(cache)
         runs[name] = Run(
             prefill_s=prefill_s[name],
             step_s=steps[name],
             base_rss=round_base,
-            peak_rss=round_base + max(prefill_peak, resident + _cache_bytes(cache)),
-            kv_bytes=kv_nbytes(cache),
-            state_bytes=cache.state_nbytes() if is_sieve else 0,
-            tokens_held=max(cache.capacities()) if is_sieve else cache.layers[0].keys.shape[2],
+            peak_rss=round_base + max(prefill_peak, resident + kv + state),
+            kv_bytes=kv,
+            state_bytes=state,
+            tokens_held=max(cache.capacities()) if isinstance(cache, SieveCache) else cache.layers[0].keys.shape[2],
         )
     return runs
 
@@ -322,8 +322,9 @@ def measure(model: PreTrainedModel, policy: str, budget_tokens: int, ids: torch.
     return measure_round(model, [policy], budget_tokens, ids, gen)[policy]
 
 
-def _cache_bytes(cache: Cache) -> int:
-    return kv_nbytes(cache) + (cache.state_nbytes() if isinstance(cache, SieveCache) else 0)
+def _held_bytes(cache: Cache) -> tuple[int, int]:
+    """Key/value bytes and policy-state bytes (positions included) the cache holds."""
+    return kv_nbytes(cache), cache.state_nbytes() if isinstance(cache, SieveCache) else 0
 
 
 # -- the grid ----------------------------------------------------------------------------------------------------
