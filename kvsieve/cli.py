@@ -14,20 +14,11 @@ from kvsieve.fetch import FetchError
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _parse_param(text: str) -> tuple[str, Any]:
+def _parse_param(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` → ``(KEY, "VALUE")``: the policy parses the text by the parameter's type."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    lowered = raw.lower()
-    if lowered in ("none", "null"):
-        return key, None
-    if lowered in ("true", "false"):
-        return key, lowered == "true"
-    for kind in (int, float):
-        try:
-            return key, kind(raw)
-        except ValueError:
-            pass
     return key, raw
 
 
@@ -67,6 +58,13 @@ def _schedule_arg(parser: argparse.ArgumentParser) -> None:
         default="uniform",
         help="how the budget is shared among layers, same total: uniform (default), increasing, pyramid, profiled",
     )
+
+
+def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``-p`` parameters checked and typed by ``--policy``'s ``Params``: called before any model loads."""
+    from kvsieve.policies import get_policy
+
+    return get_policy(args.policy).parse_params(**dict(args.param))
 
 
 def _load(args: argparse.Namespace):
@@ -127,6 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of PROMPT or --prompt-file")
+    policy_kwargs = _policy_kwargs(args)
     prompt = read_text(args.prompt_file) if args.prompt_file else args.prompt
     model, tokenizer = _load(args)
     out = generate(
@@ -136,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         policy=args.policy,
         budget=args.budget,
         max_new_tokens=args.max_new_tokens,
-        policy_kwargs=dict(args.param),
+        policy_kwargs=policy_kwargs,
         schedule=args.schedule,
     )
     return {
@@ -154,6 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation.perplexity import stream_perplexity
 
+    policy_kwargs = _policy_kwargs(args)
     text = _text(args)
     model, tokenizer = _load(args)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
@@ -168,7 +168,7 @@ def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
         rolling=args.rolling,
         curve_every=args.curve_every or (512 if args.plot else None),
         schedule=args.schedule,
-        **dict(args.param),
+        **policy_kwargs,
     )
     if args.plot:
         from kvsieve.evaluation.plots import plot_stream_curves
@@ -181,6 +181,7 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.data import builtin_text
     from kvsieve.evaluation.needle import plot_needle, run_needle
 
+    policy_kwargs = _policy_kwargs(args)
     model, tokenizer = _load(args)
     cells = run_needle(
         model,
@@ -192,7 +193,7 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
         policy=args.policy,
         budget=args.budget,
         progress=not args.json,
-        **dict(args.param),
+        **policy_kwargs,
     )
     if args.plot:
         plot_needle(cells, args.plot, title=f"{args.policy}, budget {args.budget}")
@@ -243,6 +244,7 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation.lm_eval_model import KVSieveLM
     from kvsieve.evaluation.summarization import evaluate_xsum
 
+    policy_kwargs = _policy_kwargs(args)
     model, tokenizer = _load(args)
     lm = KVSieveLM(
         model=model,
@@ -251,7 +253,7 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
         budget=args.budget,
         protocol=args.protocol,
         batch_size=args.batch_size,
-        **dict(args.param),
+        **policy_kwargs,
     )
     result = evaluate_xsum(lm, args.limit, args.max_new_tokens, progress=not args.json).to_dict()
     samples = result.pop("samples")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvsieve.cli import main
+from kvsieve.cli import _policy_kwargs, build_parser, main
 from kvsieve.evaluation.compare import DEFAULT_POLICIES
 from kvsieve.policies import REGISTRY
 
@@ -62,6 +62,44 @@ def test_bad_budget_is_a_usage_error(capsys, budget, message) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --budget" in err and message in err
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a model fails the test: the command must stop before."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvsieve.models.load_model", refuse)
+
+
+@pytest.mark.usefixtures("no_model")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["generate", "--policy", "streaming_llm", "-p", "sink=abc", "Hello"],
+            "'abc' for streaming_llm parameter 'sink'",
+        ),
+        (["ppl", "-p", "normalize=maybe"], "'maybe' for h2o parameter 'normalize' (expected true/false)"),
+        (["needle", "-p", "recent=2.5"], "'2.5' for h2o parameter 'recent' (expected an integer or none)"),
+        (["xsum", "-p", "transform=square"], "'square' for h2o parameter 'transform' (expected one of identity, "),
+        (["generate", "--policy", "local", "-p", "sink=4", "Hello"], "policy 'local' has no parameter(s) sink"),
+    ],
+)
+def test_ill_typed_policy_parameter_is_one_line_before_the_model_loads(capsys, argv, message) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvsieve {argv[0]}: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_policy_parameters_are_parsed_by_their_type() -> None:
+    argv = ["generate", "-p", "normalize=FALSE", "-p", "recent=none", "-p", "recent_ratio=1", "-p", "transform=log"]
+    kwargs = _policy_kwargs(build_parser().parse_args(argv))
+    assert kwargs == {"normalize": False, "recent": None, "recent_ratio": 1.0, "transform": "log"}
+    assert type(kwargs["recent_ratio"]) is float
 
 
 def test_invalid_policy_parameter_exits_2(capsys) -> None:

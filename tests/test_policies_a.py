@@ -456,7 +456,6 @@ def test_ahakv_value_prior_applies_to_prompt_steps_only() -> None:
         ("ahakv", {"recent": 0}, "recent"),
         ("ahakv", {"kernel": 4}, "kernel"),
         ("ahakv", {"kernel": 0}, "kernel"),
-        ("h2o", {"transform": "square"}, "transform"),
         ("h2o", {"recent": BUDGET + 1}, "recent"),
     ],
 )

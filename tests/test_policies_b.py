@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import kvsieve
 from kvsieve.cli import main
 from kvsieve.policies import REGISTRY, Slots
+from kvsieve.policies.h2o import H2O, H2OParams
 from kvsieve.policies.knorm import KNorm, KNormParams
 from kvsieve.policies.random import Random, RandomParams
 from kvsieve.policies.snapkv import SnapKV
@@ -332,11 +335,92 @@ def test_topk_oracle_needs_a_budget(llama_gqa) -> None:
         ("snapkv", {"window": 9}, "snapkv: window must be in"),
         ("snapkv", {"kernel": 4}, "snapkv: kernel must be a positive odd number"),
         ("knorm", {"recent": -1}, "knorm: recent must be in"),
+        ("streaming_llm", {"sink": True}, "invalid value True for streaming_llm parameter 'sink'"),
+        ("h2o", {"normalize": "false", "recent": "abc"}, "invalid value 'abc' for h2o parameter 'recent'"),
     ],
 )
 def test_bad_params(llama_gqa, policy, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         kvsieve.make_cache(llama_gqa, policy, 8, **kwargs)
+
+
+# Values of each annotated type: accepted (given → stored) and refused, as Python values and as command-line text.
+GOOD: dict[type, list[tuple[Any, Any]]] = {
+    bool: [(True, True), (False, False), ("true", True), ("FALSE", False), ("1", True), ("0", False)],
+    int: [(3, 3), ("3", 3), ("-2", -2)],
+    float: [(1, 1.0), (0.25, 0.25), ("0.25", 0.25), ("1", 1.0)],
+}
+BAD: dict[type, list[Any]] = {
+    bool: [1, 0, 2.5, "abc", "yes", "2", ""],
+    int: [True, 2.5, 2.0, "2.5", "abc", "true", ""],
+    float: [True, False, "abc", "true", ""],
+}
+NONE = [None, "none", "NULL"]
+PARAMS = [
+    (name, f.name, typing.get_type_hints(cls.Params)[f.name])
+    for name, cls in REGISTRY.items()
+    for f in dataclasses.fields(cls.Params)
+]
+
+
+def _cases(kind: Any) -> tuple[list[tuple[Any, Any]], list[Any]]:
+    """(accepted (given, stored) pairs, refused values) for a parameter annotated ``kind``."""
+    args = typing.get_args(kind)
+    optional = type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else kind
+    if typing.get_origin(base) is typing.Literal:
+        good, bad = [(c, c) for c in typing.get_args(base)], [1, True, "nope", ""]
+    else:
+        good, bad = GOOD[base], BAD[base]
+    return (good + [(v, None) for v in NONE], bad) if optional else (good, bad + NONE)
+
+
+def test_params_walk_covers_every_kind() -> None:
+    kinds = {kind for _, _, kind in PARAMS}
+    assert {bool, int, float, int | None} <= kinds
+    assert any(typing.get_origin(kind) is typing.Literal for _, _, kind in PARAMS)
+
+
+@pytest.mark.parametrize(("policy", "name", "kind"), PARAMS, ids=[f"{p}-{n}" for p, n, _ in PARAMS])
+def test_params_are_checked_against_their_annotations(policy, name, kind) -> None:
+    cls = REGISTRY[policy]
+    good, bad = _cases(kind)
+    for value, expected in good:
+        stored = getattr(cls.make_params(**{name: value}), name)
+        assert stored == expected and type(stored) is type(expected), (value, stored)
+    for value in bad:
+        with pytest.raises(ValueError, match=rf"^invalid value .* for {policy} parameter '{name}' \(expected .+\)$"):
+            cls.make_params(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("policy", "kwargs", "message"),
+    [
+        ("h2o", {"normalize": "abc"}, "invalid value 'abc' for h2o parameter 'normalize' (expected true/false)"),
+        ("h2o", {"recent": 1.5}, "invalid value 1.5 for h2o parameter 'recent' (expected an integer or none)"),
+        ("h2o", {"recent_ratio": True}, "invalid value True for h2o parameter 'recent_ratio' (expected a number)"),
+        (
+            "h2o",
+            {"transform": "square"},
+            "invalid value 'square' for h2o parameter 'transform' (expected one of identity, sqrt, log)",
+        ),
+        (
+            "streaming_llm",
+            {"sink": "2.5"},
+            "invalid value '2.5' for streaming_llm parameter 'sink' (expected an integer)",
+        ),
+        ("local", {"sink": 4}, "policy 'local' has no parameter(s) sink (parameters: none)"),
+    ],
+)
+def test_params_errors_say_what_is_expected(policy, kwargs, message) -> None:
+    with pytest.raises(ValueError) as err:
+        REGISTRY[policy].make_params(**kwargs)
+    assert str(err.value) == message
+
+
+def test_h2o_params_built_directly_still_check_the_transform() -> None:
+    with pytest.raises(ValueError, match="h2o: transform must be one of identity, sqrt, log"):
+        H2O(8, H2OParams(transform="square"))
 
 
 def test_only_attention_policies_ask_for_probabilities() -> None:

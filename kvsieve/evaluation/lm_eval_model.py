@@ -84,8 +84,7 @@ class KVSieveLM(TemplateLM):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.policy = get_policy(policy)
-        self.policy.make_params(**policy_kwargs)  # fail early on unknown parameters
-        self.policy_kwargs = policy_kwargs
+        self.policy_kwargs = self.policy.parse_params(**policy_kwargs)  # typed; fails early on a bad one
         self.budget = parse_budget(budget)
         self.protocol = protocol
         if model is None:

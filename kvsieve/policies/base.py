@@ -23,6 +23,9 @@ moves with its token when slots are evicted, compacted or reordered. New slots s
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -165,14 +168,20 @@ class Policy:
         """Validate the parameters against the budget and derive the budget split (raise ValueError)."""
 
     @classmethod
-    def make_params(cls, **kwargs: Any) -> Any:
-        """Build ``Params`` from keyword arguments, naming unknown ones in a ``ValueError``."""
-        names = {f.name for f in dataclasses.fields(cls.Params)}
-        unknown = sorted(set(kwargs) - names)
+    def parse_params(cls, **kwargs: Any) -> dict[str, Any]:
+        """The given parameters, each checked against its annotation in ``Params`` (see :func:`parse_param`; text
+        such as a command line's ``"true"`` or ``"16"`` is parsed); a ``ValueError`` names a bad or unknown one."""
+        kinds = _annotations(cls.Params)
+        unknown = sorted(set(kwargs) - set(kinds))
         if unknown:
-            allowed = ", ".join(sorted(names)) or "none"
+            allowed = ", ".join(sorted(kinds)) or "none"
             raise ValueError(f"policy {cls.name!r} has no parameter(s) {', '.join(unknown)} (parameters: {allowed})")
-        return cls.Params(**kwargs)
+        return {name: parse_param(cls.name, name, kinds[name], value) for name, value in kwargs.items()}
+
+    @classmethod
+    def make_params(cls, **kwargs: Any) -> Any:
+        """Build ``Params`` from keyword arguments checked by :meth:`parse_params`."""
+        return cls.Params(**cls.parse_params(**kwargs))
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-slot state: name → (extra trailing dims, dtype)."""
@@ -223,6 +232,65 @@ class Policy:
             "budget": self.budget,
             "params": dataclasses.asdict(self.params),
         }
+
+
+_BOOL_TEXT = {"true": True, "1": True, "false": False, "0": False}
+_NONE_TEXT = ("none", "null")
+
+
+@functools.cache
+def _annotations(params: type) -> dict[str, Any]:
+    """Field name → resolved annotation of a ``Params`` dataclass."""
+    hints = typing.get_type_hints(params)
+    return {f.name: hints[f.name] for f in dataclasses.fields(params)}
+
+
+def _convert(kind: Any, value: Any) -> Any:
+    """``value`` as a ``kind`` (bool, int, float or a ``Literal``); a ``ValueError`` when it is not one."""
+    if typing.get_origin(kind) is typing.Literal:
+        if value in typing.get_args(kind):
+            return value
+    elif kind not in (bool, int, float):
+        raise TypeError(f"unsupported parameter annotation {kind!r} (use bool, int, float or a Literal, maybe | None)")
+    elif isinstance(value, str):
+        if kind is not bool:
+            return kind(value)  # int("2.5"), float("abc"): ValueError
+        if value.strip().lower() in _BOOL_TEXT:
+            return _BOOL_TEXT[value.strip().lower()]
+    elif isinstance(value, bool):
+        if kind is bool:
+            return value
+    elif kind is not bool and (isinstance(value, int) or (kind is float and isinstance(value, float))):
+        return kind(value)
+    raise ValueError(value)
+
+
+def _expected(kind: Any) -> str:
+    """What a value of ``kind`` looks like, for error messages."""
+    if typing.get_origin(kind) is typing.Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(kind)))
+    return {bool: "true/false", int: "an integer", float: "a number"}[kind]
+
+
+def parse_param(policy: str, name: str, kind: Any, value: Any) -> Any:
+    """``value`` of ``policy``'s parameter ``name`` checked against its annotation ``kind`` and converted.
+
+    ``kind`` is bool, int, float or a ``Literal`` of choices, each possibly ``| None``. A bool takes a bool, an int
+    an int (not a bool, not 2.5), a float an int or a float (stored as float), a choice one of its values, an
+    optional one also None. Text is parsed: ``true``/``false``/``1``/``0`` (any case), numbers, ``none``/``null``.
+    Anything else is a one-line ``ValueError`` naming the policy, the parameter and what it expects.
+    """
+    args = typing.get_args(kind)
+    optional = typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        (kind,) = (arg for arg in args if arg is not type(None))
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_TEXT):
+            return None
+    try:
+        return _convert(kind, value)
+    except ValueError:
+        expected = _expected(kind) + (" or none" if optional else "")
+        raise ValueError(f"invalid value {value!r} for {policy} parameter {name!r} (expected {expected})") from None
 
 
 def recent_mask(slots: Slots, recent: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -16,7 +17,7 @@ class H2OParams:
     """Recent-window slots; default ``int(budget · recent_ratio)``."""
     recent_ratio: float = 0.5
     """Share of the budget given to the recent window when ``recent`` is not set (the paper: half/half)."""
-    transform: str = "identity"
+    transform: Literal["identity", "sqrt", "log"] = "identity"
     """Score function ``h``: ``identity``, ``sqrt`` (``sqrt(z+1)``) or ``log`` (``log(z+1)``); see the class doc."""
     normalize: bool = False
     """Divide the score by the number of query rows that have seen the token (mean instead of sum)."""
