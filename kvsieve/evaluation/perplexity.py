@@ -104,6 +104,12 @@ def stream_perplexity(
     if length < 2:
         raise ValueError(f"need at least 2 tokens to score, got {length}")
     budget_tokens = resolve_budget(budget, length)
+    if prefill is None and budget_tokens >= length:
+        raise ValueError(
+            f"the text has {length} tokens and the budget is {budget_tokens}: nothing would be evicted (the prefill "
+            "defaults to the budget and must be shorter than the text); use a smaller budget, more tokens of text, "
+            f"or a prefill below {length}"
+        )
     prefill = budget_tokens if prefill is None else prefill
     if not 1 <= prefill < length:
         raise ValueError(f"prefill must be in [1, {length - 1}] for a text of {length} tokens, got {prefill}")
