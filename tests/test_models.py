@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import kvsieve.fetch
+from kvsieve.cli import main
 from kvsieve.fetch import FetchError
 from kvsieve.models import (
     BuiltinModel,
@@ -21,6 +24,7 @@ from kvsieve.models import (
     list_builtin_models,
     load_model,
     model_dir,
+    resolve_device,
     resolve_dtype,
 )
 
@@ -121,6 +125,79 @@ def test_nonexistent_local_path_raises(tmp_path: Path) -> None:
     missing = str(tmp_path / "no" / "such" / "model")
     with pytest.raises(FileNotFoundError, match="neither a built-in model"):
         load_model(missing, attn_implementation="sdpa")
+
+
+def _break(directory: Path, breakage: str) -> None:
+    if breakage == "config":
+        (directory / "config.json").write_text('{\n  "model_type": "llama",\n  "hidden_size": 32,\n}\n')
+    elif breakage == "no config":
+        (directory / "config.json").unlink()
+    else:
+        doomed = ("*.safetensors",) if breakage == "weights" else ("tokenizer.json", "tokenizer_config.json")
+        for pattern in doomed:
+            for path in directory.glob(pattern):
+                path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("breakage", "error", "message"),
+    [
+        (
+            "config",
+            ValueError,
+            ": config.json is not valid JSON (line 4: Expecting property name enclosed in double quotes)",
+        ),
+        ("no config", FileNotFoundError, " has no config.json"),
+        ("weights", FileNotFoundError, " has no weights (*.safetensors or pytorch_model*.bin)"),
+        (
+            "tokenizer",
+            FileNotFoundError,
+            " has no tokenizer (tokenizer.json / tokenizer_config.json / tokenizer.model)",
+        ),
+    ],
+)
+def test_broken_model_directory_is_one_clear_error(tiny_llama_dir, tmp_path, capsys, breakage, error, message) -> None:
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, directory)
+    _break(directory, breakage)
+    with pytest.raises(error) as err:
+        load_model(str(directory), device="cpu")
+    assert str(err.value) == f"model directory {directory}{message}"
+    assert main(["generate", "--model", str(directory), "--device", "cpu", "Hi"]) == 2
+    assert capsys.readouterr().err == f"kvsieve generate: error: {err.value}\n"
+
+
+def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:
+    (tmp_path / "model.bin").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        load_model(str(tmp_path / "model.bin"))
+
+
+@pytest.mark.usefixtures("no_pypi")
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("foo", "invalid device 'foo' (expected cpu, cuda, cuda:N, mps, ...)"),
+        ("cuda:x", "invalid device 'cuda:x' (expected cpu, cuda, cuda:N, mps, ...)"),
+        ("cuda:99", "device 'cuda:99' is not available: this machine has "),
+    ],
+)
+def test_bad_device_raises_before_fetching(capsys, device, message) -> None:
+    with pytest.raises(ValueError) as err:
+        load_model("smollm2-135m", device=device)
+    assert str(err.value).startswith(message)
+    assert main(["generate", "--device", device, "--json", "Hi"]) == 2
+    assert json.loads(capsys.readouterr().out) == {"error": str(err.value), "type": "ValueError"}
+
+
+def test_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve_device(None) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^device 'cuda' is not available: this machine has 0 cuda device\(s\)$"):
+        resolve_device("cuda")
 
 
 @pytest.mark.usefixtures("offline_hub")
