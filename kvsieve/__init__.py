@@ -23,6 +23,7 @@ _PUBLIC: dict[str, str] = {
     "load_model": "kvsieve.models",
     "make_cache": "kvsieve.api",
     "register": "kvsieve.engine.attention",
+    "use_kvsieve_attention": "kvsieve.api",
 }
 """Public name → the module that defines it (``module:attribute`` where the name differs)."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.engine.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register
+from kvsieve.engine.attention import UnsupportedModelError, fallback_of, register
 from kvsieve.engine.budget import Budget, check_budget
 from kvsieve.engine.cache import PolicyPlan, SieveCache
 from kvsieve.engine.rope import Rotary
@@ -18,19 +18,38 @@ from kvsieve.policies import NoParams, Policy, get_policy
 from kvsieve.policies.local import Local
 
 
-def use_kvsieve_attention(model: PreTrainedModel) -> None:
-    """Switch ``model`` to the ``"kvsieve"`` attention implementation (which is plain sdpa for other caches)."""
-    register()
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+def use_kvsieve_attention(model: PreTrainedModel) -> str:
+    """Switch ``model`` to kvsieve's attention implementation and return its name.
+
+    Over a kvsieve cache it attends over the kept slots; over any other cache it runs the model's own implementation
+    (the one it had: ``sdpa``, ``eager``, ...; for a model built with ``"kvsieve"`` directly, transformers' default
+    for it), so the model behaves with a ``DynamicCache``, ``StaticCache``, ... exactly as before.
+    """
+    _require_model(model)
+    current = model.config._attn_implementation
+    fallback = fallback_of(current)
+    if fallback is None:
+        fallback = current or model.get_correct_attn_implementation(None)
+    elif fallback == "sdpa" and model.get_correct_attn_implementation(None) != "sdpa":
+        fallback = "eager"  # built with "kvsieve" directly, but the model cannot run sdpa (softcapping, sinks)
+    name = register(fallback)
+    if current != name:
+        model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
         raise UnsupportedModelError(
             f"{type(model).__name__} cannot switch to a custom attention implementation (it does not use "
             "transformers' AttentionInterface), so kvsieve cannot see its attention"
         )
+    return name
+
+
+def _require_model(model: Any) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
 
 
 def _layer_types(model: PreTrainedModel) -> list[str]:
+    _require_model(model)
     config = model.config.get_text_config()
     if getattr(model.config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
@@ -65,7 +84,7 @@ def make_cache(
     RoPE positions by rank within the cache (StreamingLLM-style), so streams can run past the model's
     ``max_position_embeddings``. ``schedule`` shares the budget among the policy layers, same total (``uniform``,
     ``increasing``, ``pyramid``, ``profiled`` or explicit per-layer weights; see :mod:`kvsieve.engine.schedules`).
-    Switches the model to the ``"kvsieve"`` attention implementation.
+    Switches the model to kvsieve's attention implementation (see :func:`use_kvsieve_attention`).
     """
     cls = get_policy(policy)
     params = cls.make_params(**policy_kwargs)
@@ -85,13 +104,18 @@ def make_cache(
     return cache
 
 
+RESERVED_GENERATE_KWARGS = frozenset({"input_ids", "attention_mask", "past_key_values", "max_new_tokens"})
+"""``model.generate`` arguments that :func:`generate` sets itself."""
+
+
 @dataclass
 class Generation:
     """Result of :func:`generate`."""
 
     texts: list[str]
-    """Generated continuations (prompt excluded), one per prompt."""
+    """Generated continuations (prompt excluded): one per prompt, or ``num_return_sequences`` per prompt in a row."""
     prompt_tokens: list[int]
+    """The prompt's tokens (padding excluded), one entry per text."""
     generated_tokens: list[int]
     budget_tokens: int | None
     cache: SieveCache = field(repr=False)
@@ -121,28 +145,36 @@ def generate(
     batch = [prompts] if isinstance(prompts, str) else list(prompts)
     if not batch or any(not isinstance(p, str) or not p for p in batch):
         raise ValueError("prompts must be a non-empty string or a non-empty list of non-empty strings")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens!r}")
+    reserved = sorted(RESERVED_GENERATE_KWARGS & generate_kwargs.keys())
+    if reserved:
+        raise ValueError(f"kvsieve.generate sets {', '.join(reserved)} itself; pass the prompts and max_new_tokens")
     if budget is not None:
         check_budget(budget)
     enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(model.device)
+    prompt_len = enc["input_ids"].shape[1]
     cache = make_cache(model, policy, budget, schedule=schedule, **(policy_kwargs or {}))
+    # The prompt is the first pass's first tokens: assisted generation and prompt lookup add draft tokens to it.
+    cache.set_prompt_length(prompt_len)
     if isinstance(budget, float) and cache.plan.budget is not None:
         # Resolve now against the padded prompt, so invalid splits fail before any work.
-        cache.plan.resolve(enc["input_ids"].shape[1])
+        cache.plan.resolve(prompt_len)
     generate_kwargs.setdefault("do_sample", False)
+    generate_kwargs.setdefault("tokenizer", tokenizer)  # (stop strings and assistants with their own tokenizer)
     if tokenizer.pad_token_id is not None:
         generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     with torch.inference_mode():
         out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
-    new = out[:, enc["input_ids"].shape[1] :]
+    new = out[:, prompt_len:]
     eos = _eos_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
     lengths = [_length_until_eos(row, eos) for row in new.tolist()]
+    per_prompt = out.shape[0] // len(batch)  # (num_return_sequences: the sequences of each prompt in a row)
     return Generation(
         texts=[
             tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new.tolist(), lengths, strict=True)
         ],
-        prompt_tokens=enc["attention_mask"].sum(-1).tolist(),
+        prompt_tokens=[n for n in enc["attention_mask"].sum(-1).tolist() for _ in range(per_prompt)],
         generated_tokens=lengths,
         budget_tokens=cache.budget_tokens,
         cache=cache,

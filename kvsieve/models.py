@@ -20,6 +20,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.api import use_kvsieve_attention
 from kvsieve.fetch import FetchError, cache_dir, fetch_members
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,8 @@ def load_model(
     converted on first use), a local model directory, or a Hugging Face Hub id (``HF_HUB_OFFLINE`` is
     respected). ``device`` defaults to CUDA when available, else CPU; ``dtype`` to float32. Both are checked before
     anything loads, and a local directory by :func:`check_model_dir`.
-    ``attn_implementation="kvsieve"`` registers and uses kvsieve's attention; other values go to
+    ``attn_implementation="kvsieve"`` loads the model with its default implementation and switches it to kvsieve's
+    (:func:`kvsieve.api.use_kvsieve_attention`: the default still runs over other caches); other values go to
     transformers unchanged. The tokenizer always has a pad token (EOS when it had none).
     """
     torch_dtype = resolve_dtype(dtype)
@@ -222,14 +224,12 @@ def load_model(
         source = hub_id = name_or_path
     if hub_id is None:
         check_model_dir(Path(source))
-    if attn_implementation == "kvsieve":
-        from kvsieve.engine.attention import ATTN_IMPLEMENTATION, register
-
-        register()
-        attn_implementation = ATTN_IMPLEMENTATION
+    kvsieve_attention = attn_implementation == "kvsieve"
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=None if kvsieve_attention else attn_implementation
+        )
     except OSError as err:
         if hub_id is None:
             raise
@@ -238,6 +238,8 @@ def load_model(
             f"model {hub_id!r} is not a local directory and could not be loaded from the Hugging Face Hub"
             f"{offline}; pass a local model directory, or set HF_HUB_OFFLINE=0 with network access"
         ) from err
+    if kvsieve_attention:  # the model's own implementation stays its fallback for other caches
+        use_kvsieve_attention(model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if model.generation_config.pad_token_id is None:

@@ -5,14 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import huggingface_hub.constants
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import kvsieve.fetch
 from kvsieve.cli import main
@@ -241,15 +239,22 @@ def test_local_directory_model(tiny_llama_dir: Path) -> None:
     assert len(_greedy(model, tokenizer, "Hello", n=4)) > 0
 
 
-def test_kvsieve_attention_is_registered_and_used(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path) -> None:
-    calls: list[str] = []
-    fake = types.ModuleType("kvsieve.engine.attention")
-    fake.ATTN_IMPLEMENTATION = "eager"  # stands in for "kvsieve" (transformers' default would be "sdpa")
-    fake.register = lambda: calls.append("register")
-    monkeypatch.setitem(sys.modules, "kvsieve.engine.attention", fake)
+def test_kvsieve_attention_is_used_with_the_models_own_as_fallback(tiny_llama_dir: Path, tmp_path: Path) -> None:
     model, _ = load_model(str(tiny_llama_dir), device="cpu")
-    assert calls == ["register"]
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "kvsieve"  # (over other caches: sdpa, Llama's default)
+    assert load_model(str(tiny_llama_dir), device="cpu", attn_implementation="eager")[
+        0
+    ].config._attn_implementation == ("eager")
+    # Gemma 2 cannot run sdpa (logit soft-capping): its fallback is its eager attention.
+    config = Gemma2Config(
+        vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+    )  # fmt: skip
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_llama_dir / name).exists():
+            (tmp_path / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    assert load_model(str(tmp_path), device="cpu")[0].config._attn_implementation == "kvsieve_eager"
 
 
 @pytest.mark.slow

@@ -1,36 +1,51 @@
 """The ``kvsieve`` attention implementation, plugged in through transformers' public interfaces.
 
-- ``AttentionMaskInterface``: :func:`sieve_mask` keeps the 2-D padding mask (which tokens of the batch are real)
-  instead of building a dense ``[q, kv]`` mask; the dense sdpa mask is only built, lazily, when the attention runs
-  over an ordinary transformers cache.
+- ``AttentionMaskInterface``: :func:`sieve_mask`. A kvsieve cache layer *claims* the mask that transformers
+  builds right after asking it for the mask sizes (:func:`claim_mask`); a claimed mask is a :class:`SieveMask`
+  (the 2-D padding mask and the layer's sliding window) instead of a dense ``[q, kv]`` mask. Any other cache gets
+  exactly the mask of the model's own implementation.
 - ``AttentionInterface``: :func:`sieve_attention`. Transformers calls ``cache.update(k, v, layer_idx)`` right
   before the attention of that layer but does not pass the cache to the attention function, so an evicting cache
   layer *hands over* itself and the key tensor it returned (:func:`hand_over`). The attention function takes the
-  hand-over only if it receives that very key tensor, and then lets the layer run the step
+  hand-over only if it receives that very key tensor, checks that it implements every argument the model passes
+  (:func:`attention_args`: it fails closed), and then lets the layer run the step
   (:meth:`kvsieve.engine.cache.SieveLayer.attend`): masked attention over the kept slots, the policy's view of
-  the probabilities, and eviction. Without a hand-over (e.g. a ``DynamicCache``) it is transformers' sdpa.
+  the probabilities, and eviction. Without a hand-over (any other cache) it is the model's own implementation.
+
+Each model gets the name of its own implementation's twin (:func:`implementation_name`): ``"kvsieve"`` for a model
+that ran sdpa, ``"kvsieve_eager"`` for one that ran eager attention (Gemma 2, GPT-OSS: softcapping and attention
+sinks are not sdpa features), ``"kvsieve_<name>"`` for any other registered implementation.
 
 :func:`slot_attention` is the attention over slots itself: keys carry their original positions, so causality,
-padding and sliding windows are all ``key_pos <= query_pos`` comparisons, per (batch row, KV head).
+padding and sliding windows are all ``key_pos <= query_pos`` comparisons, per (batch row, KV head). It implements
+logit soft-capping (Gemma 2) and attention sinks (GPT-OSS: a learned logit per query head in the softmax
+denominator, whose probability belongs to no token) exactly as the models' eager attention does.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvsieve.policies.base import Observation, visible_slots
 
 ATTN_IMPLEMENTATION = "kvsieve"
+"""The name of kvsieve's attention implementation for models whose own implementation is sdpa (the default)."""
 
 # Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
 # memory grows with rows·N, never q·N for long prompts. 8 MiB blocks stay in cache: at 4,096 tokens the explicit
@@ -40,62 +55,234 @@ MIN_BLOCK_ROWS = 16  # a floor, so that large batches over long caches do not lo
 
 
 class UnsupportedModelError(RuntimeError):
-    """The model does not route its attention through the transformers interfaces kvsieve relies on."""
+    """The model uses a feature kvsieve does not implement; raised before anything is computed with it."""
+
+
+# -- names: one kvsieve implementation per fallback -------------------------------------------------------------
+
+
+def implementation_name(fallback: str) -> str:
+    """The name of kvsieve's implementation whose *fallback* — what runs over caches that are not kvsieve's — is
+    ``fallback`` (``"sdpa"``, ``"eager"`` or any name registered in transformers' ``AttentionInterface``)."""
+    return ATTN_IMPLEMENTATION if fallback == "sdpa" else f"{ATTN_IMPLEMENTATION}_{fallback}"
+
+
+def fallback_of(name: str | None) -> str | None:
+    """The fallback of kvsieve implementation ``name``; None when ``name`` is not one of kvsieve's."""
+    if name == ATTN_IMPLEMENTATION:
+        return "sdpa"
+    prefix = ATTN_IMPLEMENTATION + "_"
+    return name[len(prefix) :] if name is not None and name.startswith(prefix) else None
+
+
+def register(fallback: str = "sdpa") -> str:
+    """Register kvsieve's attention and mask functions whose fallback is ``fallback`` (idempotent); return the
+    implementation's name."""
+    if fallback != "eager" and (fallback not in ALL_ATTENTION_FUNCTIONS or fallback_of(fallback) is not None):
+        raise ValueError(f"cannot fall back to attention implementation {fallback!r}: it is not registered")
+    name = implementation_name(fallback)
+    AttentionInterface.register(name, partial(sieve_attention, fallback=fallback))
+    AttentionMaskInterface.register(name, partial(sieve_mask, fallback=fallback))
+    return name
+
+
+def _model_name(module: torch.nn.Module) -> str:
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None)
+    return f"{model_type} ({type(module).__name__})" if model_type else type(module).__name__
+
+
+def _fallback_attention(fallback: str, module: torch.nn.Module) -> Callable[..., Any]:
+    """The model's own attention function: a registered one, or the eager attention of the module's model file."""
+    if fallback != "eager":
+        return ALL_ATTENTION_FUNCTIONS[fallback]
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(f"{_model_name(module)}: its model file has no eager_attention_forward")
+    return eager
+
+
+# -- masks ------------------------------------------------------------------------------------------------------
+
+
+class _Pending(threading.local):
+    mask_kv_length: int | None = None  # a claimed mask: its number of keys
+    layer: Any = None  # a handed-over layer, and the key tensor whose attention call belongs to it
+    keys: torch.Tensor | None = None
+
+
+_PENDING = _Pending()
+
+
+def claim_mask(kv_length: int) -> None:
+    """Called by a kvsieve cache layer's ``get_mask_sizes``: the mask transformers builds next (of ``kv_length``
+    keys) is for a kvsieve cache, so :func:`sieve_mask` returns a :class:`SieveMask`."""
+    _PENDING.mask_kv_length = kv_length
 
 
 @dataclass(eq=False)
 class SieveMask:
-    """What :func:`sieve_mask` returns: the padding mask, plus the dense sdpa mask on demand."""
+    """What :func:`sieve_mask` returns for a kvsieve cache."""
 
     padding: torch.Tensor | None
     """``[B, seen + q]`` bool (True = real token), or None when every token is real."""
-    dense_kwargs: dict[str, Any] = field(repr=False)
+    window: int | None = None
+    """The sliding window of the layers this mask is for (the model's mask rule ``kv > q - window``)."""
+    unsupported: str | None = None
+    """What the model asked of this mask that kvsieve does not implement (raised when a layer uses it)."""
 
     def new_tokens(self, q: int) -> torch.Tensor | None:
         """``[B, q]`` validity of the step's ``q`` new tokens (None = all real)."""
         return None if self.padding is None else self.padding[:, -q:]
 
-    @cached_property
-    def dense(self) -> torch.Tensor | None:
-        """The mask transformers' sdpa attention would get (for caches that are not kvsieve's)."""
-        return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**self.dense_kwargs)
+
+def _unsupported_mask(
+    mask_function: Callable[..., Any] | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    use_vmap: bool = False,
+    config: Any = None,
+    **kwargs: Any,
+) -> str | None:
+    """Why a mask built with these arguments is not the causal (or sliding-window causal) mask of a decoder that
+    kvsieve implements; None when it is."""
+    if "allow_is_bidirectional_skip" in kwargs or mask_function is bidirectional_mask_function:
+        return "bidirectional attention"
+    if use_vmap:
+        return "an extra mask function (e.g. bidirectional attention over image tokens)"
+    if not allow_is_causal_skip:
+        return "a mask it materialises on purpose (its own mask rule, packed sequences or block overlays)"
+    if local_size is None:
+        return None if mask_function is causal_mask_function else "a mask function other than causal"
+    if local_size != getattr(config, "sliding_window", None):
+        return f"chunked attention (chunks of {local_size} tokens)"
+    return None
 
 
-def sieve_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> SieveMask:
-    """Mask function registered under ``"kvsieve"`` (same signature as transformers' mask functions)."""
-    padding = attention_mask
+def sieve_mask(*, fallback: str, **kwargs: Any) -> Any:
+    """Mask function registered with each kvsieve implementation (transformers' mask-function signature).
+
+    A :class:`SieveMask` when a kvsieve cache layer claimed the mask (:func:`claim_mask`), else the mask of the
+    fallback implementation."""
+    claimed, _PENDING.mask_kv_length = _PENDING.mask_kv_length, None
+    if claimed is None or claimed != kwargs.get("kv_length"):
+        dense = ALL_MASK_ATTENTION_FUNCTIONS.get(fallback)
+        return None if dense is None else dense(**kwargs)  # (transformers passes no mask to unlisted kernels)
+    padding = kwargs.get("attention_mask")
     if padding is not None:
         padding = padding.to(torch.bool)
         if bool(padding.all()):
             padding = None
-    return SieveMask(padding=padding, dense_kwargs={"attention_mask": attention_mask, **kwargs})
+    unsupported = _unsupported_mask(**kwargs)
+    window = kwargs.get("local_size") if unsupported is None else None
+    return SieveMask(padding=padding, window=window, unsupported=unsupported)
 
 
-class _HandOver(threading.local):
-    layer: Any = None
-    keys: torch.Tensor | None = None
+# -- attention --------------------------------------------------------------------------------------------------
 
 
-_HAND_OVER = _HandOver()
+@dataclass(frozen=True)
+class AttentionArgs:
+    """What one layer's attention over slots computes, from the arguments the model passed."""
+
+    scaling: float
+    window: int | None = None
+    """Sliding window: a query at ``p`` sees keys at ``> p - window`` (None = all earlier keys)."""
+    softcap: float | None = None
+    """Logit soft-capping (Gemma 2): logits become ``softcap · tanh(logits / softcap)`` before masking."""
+    sinks: torch.Tensor | None = None
+    """``[Hq]`` attention-sink logits (GPT-OSS): one more term per query head in the softmax denominator."""
+    weights: bool = False
+    """Whether to return the attention probabilities (``output_attentions=True``)."""
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the logits must be computed explicitly (torch's fused attention has none of these)."""
+        return self.softcap is not None or self.sinks is not None or self.weights
+
+
+def _always(value: Any) -> bool:
+    return True
+
+
+NEUTRAL_ARGUMENTS: dict[str, Callable[[Any], bool]] = {
+    "position_ids": _always,  # positions come from the padding mask; they are the same for left-padded rows
+    "sliding_window": _always,  # the window comes from the layer's mask, as sdpa and eager attention apply it
+    "use_cache": _always,
+    "output_hidden_states": _always,
+    "output_router_logits": _always,
+    "return_dict": _always,
+    "num_items_in_batch": _always,
+    "tokenizer": _always,  # generate() hands its tokenizers on to the forward pass (stop strings, assistants)
+    "assistant_tokenizer": _always,
+    "dropout": lambda p: not p,  # 0.0 in eval mode
+    "is_causal": lambda causal: causal is None or bool(causal),
+}
+"""Attention keywords that leave the attention over the slots unchanged, when their value passes the test."""
+IMPLEMENTED_ARGUMENTS = frozenset({"scaling", "softcap", "s_aux", "output_attentions"})
+"""Attention keywords :func:`slot_attention` implements."""
+
+
+def attention_args(module: torch.nn.Module, query: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> AttentionArgs:
+    """The :class:`AttentionArgs` of one attention call over a kvsieve cache layer; fails closed.
+
+    Raises :class:`UnsupportedModelError` for any keyword argument that is neither implemented nor neutral (see
+    :data:`NEUTRAL_ARGUMENTS`; an unknown keyword is neutral only when None) and for a mask kvsieve cannot apply,
+    so that no feature of a model (or of a future transformers) is silently ignored."""
+    if isinstance(mask, torch.Tensor):
+        raise ValueError(
+            "kvsieve caches take a 2-D attention_mask (batch, tokens) or none; a prepared 4-D mask cannot be "
+            "applied to evicted slots"
+        )
+    if not isinstance(mask, SieveMask):
+        raise UnsupportedModelError(
+            f"{_model_name(module)} did not build its attention mask with transformers' masking utilities, so "
+            "kvsieve cannot tell which keys each query may see"
+        )
+    if mask.unsupported is not None:
+        raise UnsupportedModelError(f"{_model_name(module)} uses {mask.unsupported}, which kvsieve does not implement")
+    for name, value in kwargs.items():
+        if name in IMPLEMENTED_ARGUMENTS:
+            continue
+        neutral = NEUTRAL_ARGUMENTS.get(name)
+        if not (value is None if neutral is None else neutral(value)):
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            hint = " (the model is in training mode: call model.eval())" if name == "dropout" else ""
+            raise UnsupportedModelError(
+                f"{_model_name(module)} passes the attention argument {name}={shown}{hint}, which kvsieve does not "
+                "implement; refusing rather than computing a different attention"
+            )
+    scaling = kwargs.get("scaling")
+    return AttentionArgs(
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        window=mask.window,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+        weights=bool(kwargs.get("output_attentions")),
+    )
 
 
 def hand_over(layer: Any, keys: torch.Tensor) -> None:
     """Called by an evicting cache layer's ``update``: the next attention call over ``keys`` belongs to it."""
-    _HAND_OVER.layer, _HAND_OVER.keys = layer, keys
+    _PENDING.layer, _PENDING.keys = layer, keys
 
 
-def _take_hand_over(keys: torch.Tensor) -> Any:
-    layer, expected = _HAND_OVER.layer, _HAND_OVER.keys
-    _HAND_OVER.layer = _HAND_OVER.keys = None
+def _take_hand_over(module: torch.nn.Module, keys: torch.Tensor) -> Any:
+    layer, expected = _PENDING.layer, _PENDING.keys
+    _PENDING.layer = _PENDING.keys = None
     if layer is None:
         return None
     if keys is not expected:
+        layer.discard_step()
         raise UnsupportedModelError(
-            f"the attention of layer {layer.layer_idx} did not receive the keys its kvsieve cache layer returned "
-            "(the model transforms cached keys between cache.update() and attention); this architecture is not "
-            "supported by kvsieve"
+            f"{_model_name(module)}: the attention of layer {layer.layer_idx} did not receive the keys its kvsieve "
+            "cache layer returned (the model transforms cached keys between cache.update() and attention); this "
+            "architecture is not supported by kvsieve"
         )
     return layer
+
+
+_SDPA_LACKS = ("softcap", "s_aux")
 
 
 def sieve_attention(
@@ -103,42 +290,41 @@ def sieve_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: SieveMask | torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
+    attention_mask: Any,
+    *,
+    fallback: str,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention function registered under ``"kvsieve"`` (transformers' attention-interface signature)."""
-    layer = _take_hand_over(key)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention function registered with each kvsieve implementation (transformers' attention-interface
+    signature): kvsieve's attention over a kvsieve cache layer's slots, the ``fallback`` implementation otherwise."""
+    layer = _take_hand_over(module, key)
     if layer is None:
-        dense = attention_mask.dense if isinstance(attention_mask, SieveMask) else attention_mask
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](
-            module,
-            query,
-            key,
-            value,
-            dense,
-            scaling=scaling,
-            dropout=dropout,
-            sliding_window=sliding_window,
-            **kwargs,
-        )
-    if attention_mask is not None and not isinstance(attention_mask, SieveMask):
-        raise ValueError(
-            "kvsieve caches take a 2-D attention_mask (batch, tokens) or none; a prepared 4-D mask cannot be "
-            "applied to evicted slots"
-        )
-    padding = None if attention_mask is None else attention_mask.new_tokens(query.shape[-2])
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = layer.attend(query, key, value, padding=padding, scaling=scale, window=sliding_window)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register() -> None:
-    """Register the ``"kvsieve"`` attention and mask functions with transformers (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, sieve_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sieve_mask)
+        if isinstance(attention_mask, SieveMask):
+            raise UnsupportedModelError(
+                f"{_model_name(module)}: layer {getattr(module, 'layer_idx', '?')} attends over keys that its kvsieve "
+                "cache layer did not return (e.g. keys shared between layers); not supported"
+            )
+        lacking = [name for name in _SDPA_LACKS if fallback == "sdpa" and kwargs.get(name) is not None]
+        if lacking:
+            raise UnsupportedModelError(
+                f"{_model_name(module)} passes {', '.join(lacking)}, which sdpa ignores or refuses; switch the model "
+                "with kvsieve.use_kvsieve_attention(model) (make_cache and load_model do), which falls back to its "
+                "eager attention"
+            )
+        return _fallback_attention(fallback, module)(module, query, key, value, attention_mask, **kwargs)
+    try:
+        layers = getattr(module.config, "num_hidden_layers", None)
+        if layers is not None and layers != layer.n_layers:
+            raise ValueError(
+                f"this kvsieve cache was made for a model of {layer.n_layers} layers, not {layers}: a cache serves one "
+                "model; make one for this model with kvsieve.make_cache"
+            )
+        args = attention_args(module, query, attention_mask, kwargs)
+    except (UnsupportedModelError, ValueError):
+        layer.discard_step()
+        raise
+    out, weights = layer.attend(query, key, value, attention_mask, args)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def slot_attention(
@@ -147,38 +333,42 @@ def slot_attention(
     value: torch.Tensor,
     key_pos: torch.Tensor,
     query_pos: torch.Tensor,
-    scaling: float,
-    window: int | None = None,
+    args: AttentionArgs,
     observe: Callable[[Observation], None] | None = None,
     narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     restrict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     all_visible: bool = False,
     causal_tail: bool = False,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
 
-    ``key_pos`` ``[B, Hkv, N]`` and ``query_pos`` ``[B, q]`` are original positions (-1 = empty/padding). When
-    ``observe`` is given, the logits and fp32 probabilities are computed explicitly and passed block by block as an
-    :class:`~kvsieve.policies.base.Observation`; otherwise torch's fused ``scaled_dot_product_attention`` runs
-    and no probabilities exist. With ``observe``, ``narrow(logits, allowed)`` may restrict each query head's keys
-    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). ``restrict(key_pos, query_pos)`` (a position-only
+    ``key_pos`` ``[B, Hkv, N]`` and ``query_pos`` ``[B, q]`` are original positions (-1 = empty/padding); ``args``
+    the scaling, window, soft-capping and sinks. When ``observe`` is given (or ``args`` needs it), the logits and
+    fp32 probabilities are computed explicitly — ``observe`` gets them block by block as an
+    :class:`~kvsieve.policies.base.Observation` —, in fp32 (fp64 for a fp64 model); otherwise torch's fused
+    ``scaled_dot_product_attention`` runs.
+    With ``observe``, ``narrow(logits, allowed)`` may restrict each query head's keys further (see
+    :meth:`~kvsieve.policies.base.Policy.narrow`). ``restrict(key_pos, query_pos)`` (a position-only
     ``[B, Hkv, b, N]`` mask) restricts what real queries see. ``all_visible``: the caller guarantees that every
     query is real and may attend to every slot (a decode step over real tokens without a window), so no mask is
     built. ``causal_tail``: the last ``q`` slots hold the queries' own tokens in query order (a step's new
     tokens), so a block of query rows is computed over the slots up to its own last token only — the later ones
     are invisible to it — and its observation covers those slots only (``Observation.key_pos`` says how many).
-    Returns ``[B, Hq, q, D]``.
+    Returns the output ``[B, Hq, q, D]`` and, with ``args.weights``, the probabilities ``[B, Hq, q, N]``.
     """
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = key.shape[1], key.shape[2]
     group = n_q_heads // n_kv_heads
+    window = args.window
+    explicit = observe is not None or args.explicit
+    precision = torch.promote_types(query.dtype, torch.float32)  # of explicit logits and probabilities
     rows = max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, bsz * n_q_heads * n_slots))
     # With one head layout (one KV head, or every head holding the same tokens in the same slots, as after a
     # fresh prompt), the sdpa mask broadcasts over heads instead of being copied per query head.
     shared_layout = q_len > 1 and (n_kv_heads == 1 or bool((key_pos == key_pos[:, :1]).all()))
-    # Observed prompt blocks whose earlier slots are all real and unrestricted need a mask on their diagonal only.
+    # Explicit prompt blocks whose earlier slots are all real and unrestricted need a mask on their diagonal only.
     diagonal_only = (
-        observe is not None
+        explicit
         and causal_tail
         and q_len > 1
         and window is None
@@ -188,11 +378,14 @@ def slot_attention(
     )
     # Keys transposed once for the explicit logits, contiguous for a prompt: its matmuls run ~1.5x faster. The
     # explicit products are batched over (row, KV head) pairs (bmm: faster than a 4-D matmul for a decode step).
-    key_t = values_3d = None
-    if observe is not None:
+    key_t = values_3d = sinks = None
+    if explicit:
         key_t = key.transpose(-1, -2)
         key_t = (key_t.contiguous() if q_len > 1 else key_t).reshape(bsz * n_kv_heads, head_dim, n_slots)
         values_3d = value.reshape(bsz * n_kv_heads, n_slots, -1)
+        if args.sinks is not None:
+            sinks = args.sinks.to(precision).view(1, n_kv_heads, group, 1, 1)
+    all_weights = query.new_zeros((bsz, n_q_heads, q_len, n_slots), dtype=torch.float32) if args.weights else None
     outputs = []
     for start in range(0, q_len, rows):
         end = min(q_len, start + rows)
@@ -205,10 +398,12 @@ def slot_attention(
         allowed = None if all_visible or diagonal_only else visible_slots(kp, qp, window)
         if restrict is not None:
             allowed = allowed & (restrict(kp, qp) | (qp < 0)[:, None, :, None])
-        if observe is not None:
-            q_fold = (q_blk * scaling).reshape(bsz * n_kv_heads, group * b, head_dim)
+        if explicit:
+            q_fold = (q_blk * args.scaling).reshape(bsz * n_kv_heads, group * b, head_dim)
             logits = torch.bmm(q_fold, key_t if cols == n_slots else key_t[..., :cols])
-            logits = logits.float().view(bsz, n_kv_heads, group, b, cols)
+            logits = logits.to(precision).view(bsz, n_kv_heads, group, b, cols)
+            if args.softcap is not None:  # before masking, as the models' eager attention
+                logits = torch.tanh(logits / args.softcap) * args.softcap
             if narrow is not None:
                 allowed = visible_slots(kp, qp, window) if allowed is None else allowed
                 logits.masked_fill_(~narrow(logits, allowed), float("-inf"))
@@ -217,24 +412,30 @@ def slot_attention(
             elif diagonal_only:
                 diagonal = visible_slots(kp[:, :, cols - b :], qp)
                 logits[..., cols - b :].masked_fill_(~diagonal[:, :, None], float("-inf"))
-            probs = logits.softmax(dim=-1)
-            weights = probs.view(bsz * n_kv_heads, group * b, cols).to(value.dtype)
+            if sinks is None:
+                probs = logits.softmax(dim=-1)
+            else:  # the sink's probability belongs to no token: dropped after the softmax
+                probs = torch.cat([logits, sinks.expand(bsz, -1, -1, b, 1)], dim=-1).softmax(dim=-1)[..., :cols]
+            weights = probs.reshape(bsz * n_kv_heads, group * b, cols).to(value.dtype)
             out = torch.bmm(weights, values_3d if cols == n_slots else values_3d[:, :cols])
             out = out.view(bsz, n_q_heads, b, -1)
-            summed = probs.sum(dim=2)
-            if not (all_visible or diagonal_only):  # (otherwise no query is padding)
-                summed.mul_((qp >= 0)[:, None, :, None])
-            observe(Observation(summed, logits, qp, q_len, key_pos=kp, window=window, mask=allowed))
+            if all_weights is not None:
+                all_weights[:, :, start:end, :cols] = probs.reshape(bsz, n_q_heads, b, cols)
+            if observe is not None:
+                summed = probs.sum(dim=2)
+                if not (all_visible or diagonal_only):  # (otherwise no query is padding)
+                    summed.mul_((qp >= 0)[:, None, :, None])
+                observe(Observation(summed, logits, qp, q_len, key_pos=kp, window=window, mask=allowed))
         elif b == 1:
             # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
             q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)
-            out = F.scaled_dot_product_attention(q_fold, k_blk, v_blk, attn_mask=allowed, scale=scaling)
+            out = F.scaled_dot_product_attention(q_fold, k_blk, v_blk, attn_mask=allowed, scale=args.scaling)
             out = out.reshape(bsz, n_q_heads, 1, -1)
         else:
             if allowed is not None:
                 allowed = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
             out = F.scaled_dot_product_attention(
-                q_blk, k_blk, v_blk, attn_mask=allowed, scale=scaling, enable_gqa=group > 1
+                q_blk, k_blk, v_blk, attn_mask=allowed, scale=args.scaling, enable_gqa=group > 1
             )
         outputs.append(out)
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), all_weights

@@ -7,27 +7,41 @@ policy state lives beside the keys and moves with them.
 
 A step (one forward pass of ``q`` tokens through a layer) is:
 
-1. ``update`` writes the new K/V into slots ``n .. n+q`` (growing the buffers if needed) and returns the views
-   ``[:, :, :n+q]``, handing itself over to the attention function;
-2. ``attend`` (called by the attention function) assigns the new tokens' positions from the padding mask, runs
-   masked attention over the slots, lets the policy observe the probabilities, and evicts down to the policy's
-   ``n_keep``: one victim is overwritten by the last slot (decode: no copy of the cache), several are removed by
-   one gather into buffers of ``budget + 1`` slots, which frees the prompt-sized ones.
+1. ``get_mask_sizes`` (asked by transformers' masking utilities) claims the mask built next: a
+   :class:`~kvsieve.engine.attention.SieveMask` (the padding mask and the layer's window), not a dense one;
+2. ``update`` takes the new K/V and hands the layer over to the attention function;
+3. ``attend`` (called by the attention function once it has checked every argument the model passes) stores the
+   new tokens in slots ``n .. n+q`` with their positions from the padding mask, runs masked attention over the
+   slots, lets the policy observe the probabilities, and evicts down to the policy's ``n_keep``: at a decode step
+   the victim's slot goes stale and the next token is written into it (no copy of the cache); several victims are
+   removed by one gather into buffers of ``budget + 1`` slots, which frees the prompt-sized ones.
 
 Between steps a bounded layer holds at most ``budget`` tokens in ``budget + 1`` allocated slots (the spare slot
 receives the next decode token). ``get_seq_length()`` is the number of tokens seen, so RoPE positions stay true.
+
+Speculative decoding (assisted generation, prompt lookup): ``activate_past_recording`` makes the layers feed the
+tokens after a prompt one at a time, as decode steps, and keep them with the state before the first of them, until
+``crop`` commits them or rolls the rejected ones back exactly (state restored, the accepted tokens fed again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, TypeVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvsieve.engine.attention import UnsupportedModelError, hand_over, slot_attention
+from kvsieve.engine.attention import (
+    AttentionArgs,
+    SieveMask,
+    UnsupportedModelError,
+    claim_mask,
+    hand_over,
+    slot_attention,
+)
 from kvsieve.engine.budget import Budget, check_budget, resolve_budget
 from kvsieve.engine.rope import Rotary, ranks
 from kvsieve.engine.schedules import split_budget
@@ -166,11 +180,56 @@ def _move_slot(
         t.scatter_(2, _state_index(dst, t), t[:, :, src : src + 1].clone())
 
 
+def _by_column(weights: torch.Tensor, pos: torch.Tensor, columns: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Slot probabilities ``[B, Hq, b, N]`` laid out by column ``[B, Hq, b, total]`` (0 for tokens not held):
+    ``pos`` ``[B, Hkv, N]`` are the slots' positions, ``columns`` maps positions to columns (None: identity)."""
+    group = weights.shape[1] // pos.shape[1]
+    held = pos.clamp(min=0)
+    col = held if columns is None else columns.gather(1, held.flatten(1)).view_as(pos)
+    col = col.repeat_interleave(group, dim=1)[:, :, None, :].expand_as(weights)
+    real = (pos >= 0).repeat_interleave(group, dim=1)[:, :, None, :]
+    return weights.new_zeros((*weights.shape[:3], total)).scatter_add_(3, col, weights * real)
+
+
+@dataclass
+class _Chunk:
+    """A recorded token of a step: what :meth:`SieveLayer._step` needs to feed it again."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    padding: torch.Tensor | None
+    args: AttentionArgs
+
+
+@dataclass
+class _Record:
+    """A recording layer's state before its recorded tokens, and those tokens (see :meth:`SieveLayer.crop`)."""
+
+    saved: dict[str, Any]
+    chunks: list[_Chunk] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, layer: SieveLayer, seen: int) -> _Record:
+        """The state of ``layer`` (copied), which had seen ``seen`` tokens before the token being fed."""
+        saved = {name: _copy(getattr(layer, name)) for name in ("keys", "values", "pos", "last", "free")}
+        state = {name: t.clone() for name, t in layer.state.items()}
+        return cls({**saved, "state": state, "n": layer.n, "seen": seen, "holes": layer.holes})
+
+    def restore(self, layer: SieveLayer) -> None:
+        for name, value in self.saved.items():
+            setattr(layer, name, value)
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
 class SieveLayer(CacheLayerMixin):
     """One layer of a :class:`SieveCache` (see the module docstring)."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # what activate_past_recording() records, crop() rolls back exactly
     supports_early_init = False  # the policy (and its state) is known only at the first update
 
     def __init__(self, plan: PolicyPlan, layer_idx: int, is_sliding: bool = False) -> None:
@@ -190,6 +249,9 @@ class SieveLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.step_size: int | None = None
         self.rotary: Rotary | None = None
+        self.prompt_tokens: int | None = None  # the first step's prompt length, if given (set_prompt_length)
+        self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
+        self.record: _Record | None = None
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -217,19 +279,42 @@ class SieveLayer(CacheLayerMixin):
                 "attn_implementation='kvsieve'); if a forward pass was interrupted, call cache.reset()"
             )
         if self.policy is None:
-            self.policy = self.plan.resolve(key_states.shape[-2])[self.layer_idx]
+            prompt = key_states.shape[-2] if self.prompt_tokens is None else self.prompt_tokens
+            self.policy = self.plan.resolve(prompt)[self.layer_idx]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.keys.shape[0]:
             raise ValueError(
                 f"batch size changed from {self.keys.shape[0]} to {key_states.shape[0]}; use a new cache or reset()"
             )
+        elif key_states.shape[1] != self.keys.shape[1] or key_states.shape[-1] != self.keys.shape[-1]:
+            raise ValueError(
+                f"layer {self.layer_idx} holds {self.keys.shape[1]} KV heads of dim {self.keys.shape[-1]}, the model "
+                f"gives {key_states.shape[1]} of dim {key_states.shape[-1]}: a cache serves one model; make one for "
+                "this model with kvsieve.make_cache"
+            )
         self.seen += key_states.shape[-2]
         self.pending = (key_states, value_states)
         hand_over(self, key_states)
         return key_states, value_states
 
+    @property
+    def n_layers(self) -> int:
+        """Layers of the model the cache was made for."""
+        return len(self.plan.layer_policies)
+
+    def discard_step(self) -> None:
+        """Forget the step :meth:`update` took (its attention was refused before anything was computed)."""
+        if self.pending is None:
+            return
+        self.seen -= self.pending[0].shape[-2]
+        self.pending = None
+        if self.seen == 0:  # nothing was cached yet: back to a fresh layer (a ratio budget resolves again)
+            self.reset()
+            self.plan.reset()
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        claim_mask(self.seen + query_length)
         return self.seen + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -247,7 +332,39 @@ class SieveLayer(CacheLayerMixin):
         self.free = None
         self.pending = None
         self.policy = None
+        self.prompt_tokens = None
+        self.record = None
         self.is_initialized = False
+
+    def activate_past_recording(self) -> None:
+        """Record the next steps, so that :meth:`crop` can roll them back (transformers calls it before assisted
+        generation and prompt lookup); each step after the first is then processed one token at a time."""
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens fed since recording began or since the last ``crop``,
+        exactly: the layer returns to its state before the recorded tokens and feeds the tokens that stay again, as
+        it fed them (what their steps evicted is therefore back). ``crop(0)`` commits the recorded tokens."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass minus the number of tokens to remove (transformers' convention)"
+            )
+        record, tokens = self.record, -tokens_to_remove
+        recorded = 0 if record is None else len(record.chunks)
+        if tokens > recorded:
+            raise ValueError(
+                f"cannot remove the last {tokens} tokens of layer {self.layer_idx}: kvsieve rolls back only the "
+                f"{recorded} token(s) fed after a prompt since cache.activate_past_recording() (transformers calls it "
+                "for assisted generation and prompt lookup) or since the last crop"
+            )
+        self.record = None
+        if tokens == 0:
+            return
+        record.restore(self)
+        replay = record.chunks[: recorded - tokens]
+        self.seen += len(replay)
+        for offset, chunk in enumerate(replay):
+            self._step(chunk.query, chunk.keys, chunk.values, chunk.padding, chunk.args, offset=offset)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -261,27 +378,59 @@ class SieveLayer(CacheLayerMixin):
     # -- the step -----------------------------------------------------------------------------------------------
 
     def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        *,
-        padding: torch.Tensor | None,
-        scaling: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        """Run the pending step (``query`` ``[B, Hq, q, D]`` → output of the same shape).
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SieveMask, args: AttentionArgs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the pending step: ``query`` ``[B, Hq, q, D]`` → the output of the same shape and, with
+        ``args.weights``, the attention probabilities ``[B, Hq, q, tokens seen]`` laid out as over a
+        ``DynamicCache`` (column = the token's index in the padded sequence; evicted tokens get 0).
 
-        The step's tokens are processed in chunks of ``step_size`` (all at once when None), each chunk stored,
-        attended, observed and evicted before the next — with ``step_size=1`` this is exactly the computation of
-        feeding the tokens one at a time. When the policy's state does not depend on how rows are grouped
-        (``row_additive``, or no attention observed), the tokens that fit before the first eviction are one chunk;
-        when its kept set is known in closed form (``stream_closed_form``), ``step_size=1`` runs chunks of
-        ``max(budget, 64)`` tokens whose queries see exactly what they would see one at a time, evicting after
-        each chunk (the cache briefly holds budget + chunk tokens).
+        The step's tokens are processed in chunks (:meth:`_bounds`), each chunk stored, attended, observed and
+        evicted before the next. While recording (:meth:`activate_past_recording`) the tokens after a prompt are
+        kept, with the layer's state before the first of them, until :meth:`crop`.
         """
         (new_keys, new_values), self.pending = self.pending, None
         q = new_keys.shape[2]
+        # The step's first tokens that are a prompt: all of a first step, unless set_prompt_length said fewer.
+        prompt = (q if self.prompt_tokens is None else min(self.prompt_tokens, q)) if self.seen == q else 0
+        self.prompt_tokens = None
+        bounds, closed_form = self._bounds(q, prompt)
+        padding = mask.new_tokens(q)
+        if padding is not None:
+            padding = padding.to(self.device)
+        columns = self._columns(mask.padding) if args.weights else None
+        if not self.record_past:
+            self.record = None
+        outputs = []
+        for s, e in pairwise(bounds):
+            chunk = (query, new_keys, new_values, padding)
+            if len(bounds) > 2:  # (every decode step is one chunk: no slicing)
+                chunk = tuple(None if t is None else t[..., s:e, :] if t.dim() == 4 else t[:, s:e] for t in chunk)
+            if self.record_past and s >= prompt:  # (a single token: see _bounds)
+                if self.record is None:
+                    self.record = _Record.of(self, self.seen - q + s)
+                self.record.chunks.append(_Chunk(*chunk, args))
+            outputs.append(self._step(*chunk, args, closed_form, s, columns))
+        outs, weights = zip(*outputs, strict=True)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if not args.weights:
+            return out, None
+        return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
+
+    def _bounds(self, q: int, prompt: int) -> tuple[list[int], bool]:
+        """Where the step's ``q`` tokens, of which the first ``prompt`` are a prompt, are cut into chunks, and
+        whether the chunks are closed-form.
+
+        - Tokens after a prompt (:meth:`SieveCache.set_prompt_length`), and every token of a later step while
+          recording: one token at a time, as decode steps feed them (the prompt at once).
+        - Otherwise chunks of ``step_size`` (all at once when None) — with ``step_size=1`` this is exactly the
+          computation of feeding the tokens one at a time. When the policy's state does not depend on how rows are
+          grouped (``row_additive``, or no attention observed), the tokens that fit before the first eviction are
+          one chunk; when its kept set is known in closed form (``stream_closed_form``), ``step_size=1`` runs
+          chunks of ``max(budget, 64)`` tokens whose queries see exactly what they would see one at a time,
+          evicting after each chunk (the cache briefly holds budget + chunk tokens).
+        """
+        if prompt < q and (prompt > 0 or self.record_past):
+            return [0, *range(max(prompt, 1), q + 1)], False
         step = self.step_size or q
         policy = self.policy
         # Position-only policies: what each query sees is known, so chunks of ~budget tokens are attended at once,
@@ -295,24 +444,18 @@ class SieveLayer(CacheLayerMixin):
             room = min(policy.budget - self.n, q) if policy.bounded else q
             if room > step:
                 bounds = [0, *range(room, q, step), q]
-        if padding is not None:
-            padding = padding.to(self.device)
-        if len(bounds) == 2:  # one chunk (every decode step): no slicing
-            return self._step(query, new_keys, new_values, padding, scaling, window, closed_form)
-        outputs = [
-            self._step(
-                query[:, :, s:e],
-                new_keys[:, :, s:e],
-                new_values[:, :, s:e],
-                None if padding is None else padding[:, s:e],
-                scaling,
-                window,
-                closed_form,
-                s,
+        return bounds, closed_form
+
+    def _columns(self, padding: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, tokens seen]``: the column of each row's token at each position (None: position = column)."""
+        if padding is None:
+            return None
+        if padding.shape[1] != self.seen:
+            raise ValueError(
+                f"output_attentions with a kvsieve cache needs the attention mask of all {self.seen} tokens seen, "
+                f"got one of {padding.shape[1]}"
             )
-            for s, e in pairwise(bounds)
-        ]
-        return torch.cat(outputs, dim=2)
+        return torch.argsort((~padding).to(torch.uint8), dim=1, stable=True).to(self.device)
 
     def _step(
         self,
@@ -320,12 +463,13 @@ class SieveLayer(CacheLayerMixin):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         padding: torch.Tensor | None,
-        scaling: float,
-        window: int | None,
+        args: AttentionArgs,
         closed_form: bool = False,
         offset: int = 0,
-    ) -> torch.Tensor:
-        """One chunk of the pending step: its tokens start at index ``offset`` of the step's tokens."""
+        columns: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk of the pending step: its tokens start at index ``offset`` of the step's tokens. Returns its
+        output and, with ``args.weights``, its probabilities by column (``columns``: see :meth:`_columns`)."""
         q, heads = key_states.shape[2], key_states.shape[1]
         if self.free is not None and q > 1:
             self._compact()
@@ -359,24 +503,25 @@ class SieveLayer(CacheLayerMixin):
             query_rank = rank[:, :, start:total].repeat_interleave(group, dim=1)
             query = self.rotary.rotate(query, query_rank - query_pos[:, None, :])
         policy = self.policy
-        out = slot_attention(
+        out, weights = slot_attention(
             query,
             keys,
             slots.values,
             slots.pos,
             query_pos,
-            scaling,
-            window,
+            args,
             observe=(lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs))
             if policy.needs_attention
             else None,
             narrow=policy.narrow if policy.needs_attention and policy.narrows else None,
             restrict=policy.stream_visible if closed_form and q > 1 else None,
-            all_visible=q == 1 and padding is None and window is None and not self.holes,
+            all_visible=q == 1 and padding is None and args.window is None and not self.holes,
             causal_tail=not policy.observes_all_slots,  # (the step's tokens are the last q slots, in order)
         )
+        if weights is not None:
+            weights = _by_column(weights, slots.pos, columns, self.seen)
         self._evict(slots)
-        return out
+        return out, weights
 
     def _positions(
         self, padding: torch.Tensor | None, q: int, heads: int
@@ -459,6 +604,7 @@ class SieveLayer(CacheLayerMixin):
         self.state = {name: fn(t) for name, t in self.state.items()}
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.record = None  # (recorded steps cannot be rolled back across a change of the batch)
         if self.free is not None:
             self._compact()
         if self.is_initialized:
@@ -505,12 +651,49 @@ class SieveCache(Cache):
         super().reset()
         self.plan.reset()
 
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"this kvsieve cache was made for a model of {len(self.layers)} layers, not one with a layer "
+                f"{layer_idx}: a cache serves one model; make one for this model with kvsieve.make_cache"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def set_prompt_length(self, tokens: int) -> None:
+        """The first forward pass starts with a prompt of ``tokens`` tokens: they are processed at once (a prefill,
+        which also resolves a ratio budget), the tokens after them in that pass one at a time, as decode steps.
+
+        transformers' assisted generation and prompt lookup verify their first draft tokens in the prompt's forward
+        pass; with this, they evict exactly as plain decoding does (``kvsieve.generate`` sets it)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"the prompt length must be a positive int, got {tokens!r}")
+        if self.get_seq_length() > 0:
+            raise ValueError("the prompt length is set before the first forward pass (or after reset())")
+        for layer in self.layers:
+            layer.prompt_tokens = tokens
+
+    def activate_past_recording(self) -> None:
+        """Record the next steps so that :meth:`crop` can roll them back exactly (transformers calls this before
+        assisted generation and prompt lookup). An empty cache must know where the prompt of its first pass ends
+        (:meth:`set_prompt_length`): transformers verifies the first draft tokens in that pass, and the cache evicts
+        (and can roll back) the tokens after the prompt one at a time."""
+        if self.get_seq_length() == 0 and self.layers[0].prompt_tokens is None:
+            raise ValueError(
+                "assisted generation and prompt lookup verify the first draft tokens in the prompt's forward pass; to "
+                "evict exactly as plain decoding does, the kvsieve cache must know where the prompt ends: call "
+                "cache.set_prompt_length(input_ids.shape[1]) before generate (kvsieve.generate does it)"
+            )
+        super().activate_past_recording()
+
     @property
     def step_size(self) -> int | None:
         """Tokens processed per eviction round within one forward pass (None: the whole forward at once).
 
         ``1`` is the "stream" protocol: one forward over a whole sequence gives the logits of feeding it token by
-        token through this cache, at a fraction of the cost (the per-token work runs inside each layer).
+        token through this cache, at a fraction of the cost (the per-token work runs inside each layer). Larger
+        chunks are cut in the (left-padded) batch's token axis, so a padded row is chunked otherwise than alone.
         """
         return self.layers[0].step_size
 

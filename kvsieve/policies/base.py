@@ -93,10 +93,12 @@ class Observation:
     """The attention of one block of query rows over the ``N`` slots of a layer, as a policy sees it."""
 
     probs: torch.Tensor
-    """``[B, H, b, N]`` fp32 probabilities, the query heads of each KV head's group summed; rows of padding
-    queries are zero."""
+    """``[B, H, b, N]`` fp32 probabilities (fp64 for a fp64 model), the query heads of each KV head's group summed;
+    rows of padding queries are zero. They are the model's own: after logit soft-capping, and with attention sinks
+    the tokens' share only (a query head's row then sums to less than 1)."""
     logits: torch.Tensor
-    """``[B, H, G, b, N]`` fp32 scaled logits ``q·k/sqrt(d)`` per query head of the group, ``-inf`` where masked."""
+    """``[B, H, G, b, N]`` scaled logits ``q·k/sqrt(d)`` per query head of the group (soft-capped where the model
+    caps them), as the softmax saw them, ``-inf`` where masked."""
     query_pos: torch.Tensor
     """``[B, b]`` positions of the queries (-1 = padding)."""
     step_rows: int
