@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from kvsieve import bench_defaults
+from kvsieve.benchmarks import defaults as bench_defaults
 from kvsieve.engine.budget import parse_budget
 from kvsieve.fetch import FetchError
 
@@ -259,13 +259,16 @@ def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from kvsieve.benchmarks import bench
+    from kvsieve.benchmarks.bench import benchmark
+    from kvsieve.benchmarks.grid import pair_lengths
+    from kvsieve.benchmarks.profile import PROFILE_PROMPT, profile_decode
+    from kvsieve.benchmarks.runner import prompt_tokens
 
-    lengths = bench.pair_lengths(args.prompt_lens, args.gen_lens)
+    lengths = pair_lengths(args.prompt_lens, args.gen_lens)
     model, tokenizer = _load(args)
     if args.profile:
-        return {"profile": bench.profile_decode(model, bench.prompt_tokens(tokenizer, bench.PROFILE_PROMPT))}
-    return bench.benchmark(
+        return {"profile": profile_decode(model, prompt_tokens(tokenizer, PROFILE_PROMPT))}
+    return benchmark(
         model,
         tokenizer,
         lengths=lengths,
@@ -273,7 +276,7 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         policies=args.policies,
         budget=args.budget,
         repeats=args.repeats,
-        targets=args.targets,
+        preset=args.preset,
         mem_cap_gb=args.mem_cap_gb,
         plot=args.plot,
         title=args.model,
@@ -363,7 +366,7 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         for cell in result["cells"]:
             print(f"  length {cell['length']:>6}  depth {cell['depth']:>5.0%}  {cell['correct']}/{cell['trials']}")
     elif command == "bench":
-        from kvsieve.benchmarks.bench import format_report
+        from kvsieve.benchmarks.report import format_report
 
         print(format_report(result))
     elif command == "sweep":
@@ -479,11 +482,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--repeats",
         type=POSITIVE_INT,
-        default=3,
+        default=bench_defaults.DEFAULT_REPEATS,
         help="rounds per grid point (prefills in turn, decode steps in lockstep); medians are reported",
     )
     p.add_argument("--plot", help="write a PNG of decode tokens/s vs context length")
-    p.add_argument("--targets", action="store_true", help="run exactly the cells of the issue's targets (budget 512)")
+    p.add_argument(
+        "--preset",
+        choices=bench_defaults.PRESETS,
+        help="run exactly a preset's cells; eviction-overhead: h2o and the policies without attention probabilities "
+        "at budget 512, batch 1, checked against the floor and DynamicCache",
+    )
     p.add_argument("--mem-cap-gb", type=POSITIVE, help="also the largest batch under this memory, full vs each policy")
     p.add_argument("--profile", action="store_true", help="only profile h2o decode steps (budget 512, 2048 prompt)")
 

@@ -1,5 +1,5 @@
-"""The benchmark harness: the floor cache, run order, figures and their consistency, targets, memory-cap batches,
-the CLI. No timing assertions: only the relations between the figures are checked."""
+"""The benchmark harness: the floor cache, run order, figures and their consistency, the eviction-overhead checks,
+memory-cap batches, the CLI. No timing assertions: only the relations between the figures are checked."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvsieve.benchmarks import bench
+from kvsieve.benchmarks import bench, capacity, eviction_overhead, grid, memory, profile, report, runner
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.cli import main
 
@@ -38,7 +38,7 @@ def tiny(tiny_factory):
 
 def _kv_bytes_per_slot(model) -> int:
     """K/V bytes per token slot and batch row, over all layers."""
-    return bench.full_kv_bytes_per_token(model)
+    return memory.full_kv_bytes_per_token(model)
 
 
 # -- the floor -----------------------------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_floor_holds_exactly_budget_slots_with_the_newest_tokens(tiny, make_ids,
     seen = prompt + steps
     assert floor.get_seq_length() == seen
     assert all(layer.keys.shape[2] == budget == layer.values.shape[2] for layer in floor.layers)
-    assert bench.kv_nbytes(floor) == batch * budget * _kv_bytes_per_slot(tiny)
+    assert memory.kv_nbytes(floor) == batch * budget * _kv_bytes_per_slot(tiny)
     # Layer 0's keys depend only on token and position: the ring holds the newest tokens, position p in slot p % B.
     ring, reference = floor.layers[0].keys, full.layers[0].keys
     for p in range(seen - budget, seen):
@@ -77,9 +77,9 @@ def test_floor_takes_one_prompt_then_single_tokens(tiny, make_ids):
 
 
 def test_rounds_alternate_direction():
-    assert bench.rounds(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert grid.rounds(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
     with pytest.raises(ValueError):
-        bench.rounds(["a"], 0)
+        grid.rounds(["a"], 0)
 
 
 def test_run_bench_runs_repeats_in_rounds(tiny, make_ids, monkeypatch):
@@ -87,11 +87,11 @@ def test_run_bench_runs_repeats_in_rounds(tiny, make_ids, monkeypatch):
 
     def fake_round(model, policies, budget_tokens, ids, gen):
         calls.append((list(policies), ids.shape[1]))
-        return {p: bench.Run(1.0, [0.1] * (gen - 1), 100, 200, 10, 0, budget_tokens) for p in policies}
+        return {p: runner.Run(1.0, [0.1] * (gen - 1), 100, 200, 10, 0, budget_tokens) for p in policies}
 
-    monkeypatch.setattr(bench, "measure_round", fake_round)
-    plan = bench.make_plan([(40, 3), (24, 3)], [1], ["h2o"])
-    cells, skipped = bench.run_bench(tiny, make_ids(1, 64)[0], plan, budget=8, repeats=2, progress=False)
+    monkeypatch.setattr(grid, "measure_round", fake_round)
+    plan = grid.make_plan([(40, 3), (24, 3)], [1], ["h2o"])
+    cells, skipped = grid.run_bench(tiny, make_ids(1, 64)[0], plan, budget=8, repeats=2, progress=False)
     assert skipped == []
     order = ["dynamic_full", "floor", "h2o"]
     assert calls == [(order, 32)] + [(o, n) for n in (40, 24) for o in (order, order[::-1])]  # warm-up, then rounds
@@ -100,60 +100,60 @@ def test_run_bench_runs_repeats_in_rounds(tiny, make_ids, monkeypatch):
 
 def test_a_round_prefills_in_turn_then_decodes_in_lockstep(tiny, make_ids, monkeypatch):
     order = []
-    next_token = bench._next_token
+    next_token = runner.next_token
 
     def recording(model, cache, ids):
         order.append((type(cache).__name__, ids.shape[1], model.config._attn_implementation))
         return next_token(model, cache, ids)
 
-    monkeypatch.setattr(bench, "_next_token", recording)
-    runs = bench.measure_round(tiny, ["floor", "h2o", "dynamic_full"], 8, make_ids(1, 20), 4)
+    monkeypatch.setattr(runner, "next_token", recording)
+    runs = runner.measure_round(tiny, ["floor", "h2o", "dynamic_full"], 8, make_ids(1, 20), 4)
     kinds = [("FloorCache", "sdpa"), ("SieveCache", "kvsieve"), ("DynamicCache", "sdpa")]
     assert order == [(c, 20, a) for c, a in kinds] + [(c, 1, a) for c, a in kinds] * 3
     assert [len(r.step_s) for r in runs.values()] == [3, 3, 3]
     assert runs["dynamic_full"].kv_bytes == 23 * _kv_bytes_per_slot(tiny)  # 20 + 3 tokens
     assert all(r.peak_rss >= r.base_rss for r in runs.values())
     with pytest.raises(ValueError, match="once per round"):
-        bench.measure_round(tiny, ["h2o", "h2o"], 8, make_ids(1, 20), 4)
+        runner.measure_round(tiny, ["h2o", "h2o"], 8, make_ids(1, 20), 4)
 
 
-def _run(prefill: float, steps: list[float]) -> bench.Run:
-    return bench.Run(prefill, steps, 0, 0, 0, 0, 1)
+def _run(prefill: float, steps: list[float]) -> runner.Run:
+    return runner.Run(prefill, steps, 0, 0, 0, 0, 1)
 
 
 def test_ratios_pair_runs_of_the_same_round():
-    point = bench.GridPoint(16, 3, 1)
+    point = runner.GridPoint(16, 3, 1)
     runs = {
         "h2o": [_run(1, [1, 1]), _run(10, [1, 1]), _run(4, [1, 1])],
         "floor": [_run(1, [1, 1]), _run(5, [1, 1]), _run(8, [1, 1])],
         "dynamic_full": [_run(1, [2, 2]), _run(1, [2, 2]), _run(1, [4, 4])],
     }
-    cell = bench.summarize("h2o", point, 8, runs["h2o"], runs)
+    cell = runner.summarize("h2o", point, 8, runs["h2o"], runs)
     # Per-round prefill ratios 1, 2, 0.5 -> median 1 (the ratio of the medians, 4 / 5, would be 0.8).
     assert cell.ratios["vs_floor"]["prefill_s"] == pytest.approx(1.0)
     assert cell.ratios["vs_dynamic_full"]["step_ms_p50"] == pytest.approx(0.5)
     assert cell.ratios["vs_dynamic_full"]["decode_tok_s"] == pytest.approx(2.0)
-    assert set(bench.summarize("floor", point, 8, runs["floor"], runs).ratios) == {"vs_dynamic_full"}
+    assert set(runner.summarize("floor", point, 8, runs["floor"], runs).ratios) == {"vs_dynamic_full"}
 
 
 def test_pair_lengths():
-    assert bench.pair_lengths([512, 2048], [32, 256]) == [(512, 32), (2048, 256)]
-    assert bench.pair_lengths([512, 2048], [8]) == [(512, 8), (2048, 8)]
-    assert bench.pair_lengths([64], [4, 8]) == [(64, 4), (64, 8)]
+    assert grid.pair_lengths([512, 2048], [32, 256]) == [(512, 32), (2048, 256)]
+    assert grid.pair_lengths([512, 2048], [8]) == [(512, 8), (2048, 8)]
+    assert grid.pair_lengths([64], [4, 8]) == [(64, 4), (64, 8)]
     with pytest.raises(ValueError, match="pair up"):
-        bench.pair_lengths([1, 2, 3], [4, 5])
+        grid.pair_lengths([1, 2, 3], [4, 5])
     with pytest.raises(ValueError, match="unknown policy"):
-        bench.make_plan([(8, 2)], [1], ["nope"])
+        grid.make_plan([(8, 2)], [1], ["nope"])
     with pytest.raises(ValueError, match="2 generated"):
-        bench.make_plan([(8, 1)], [1], ["h2o"])
+        grid.make_plan([(8, 1)], [1], ["h2o"])
     with pytest.raises(ValueError, match="batch"):
-        bench.make_plan([(8, 2)], [0], ["h2o"])
+        grid.make_plan([(8, 2)], [0], ["h2o"])
 
 
 def test_skip_reason(tiny):
-    assert bench.skip_reason(tiny, bench.GridPoint(1000, 25, 1)) is None  # 1024 positions: the last token is not fed
-    assert "positions" in bench.skip_reason(tiny, bench.GridPoint(1000, 26, 1))
-    assert "memory" in bench.skip_reason(tiny, bench.GridPoint(1000, 2, 10**9))
+    assert grid.skip_reason(tiny, runner.GridPoint(1000, 25, 1)) is None  # 1024 positions: the last token is not fed
+    assert "positions" in grid.skip_reason(tiny, runner.GridPoint(1000, 26, 1))
+    assert "memory" in grid.skip_reason(tiny, runner.GridPoint(1000, 2, 10**9))
 
 
 # -- measured figures ----------------------------------------------------------------------------------------------
@@ -161,8 +161,8 @@ def test_skip_reason(tiny):
 
 def test_cells_fields_and_consistency(tiny, make_ids, tmp_path):
     budget, gen = 8, 4
-    plan = bench.make_plan([(24, gen), (40, gen)], [1, 2], ["h2o", "local"])
-    cells, skipped = bench.run_bench(tiny, make_ids(1, 64)[0], plan, budget=budget, repeats=2, progress=False)
+    plan = grid.make_plan([(24, gen), (40, gen)], [1, 2], ["h2o", "local"])
+    cells, skipped = grid.run_bench(tiny, make_ids(1, 64)[0], plan, budget=budget, repeats=2, progress=False)
     assert skipped == []
     assert [c.policy for c in cells[:4]] == ["dynamic_full", "floor", "h2o", "local"]
     per_slot = _kv_bytes_per_slot(tiny)
@@ -178,27 +178,27 @@ def test_cells_fields_and_consistency(tiny, make_ids, tmp_path):
         assert c.tokens_held == held
         assert c.kv_bytes == c.batch * held * per_slot
         assert (c.state_bytes > 0) == (c.policy in ("h2o", "local"))
-        assert set(c.ratios) == {f"vs_{r}" for r in bench.REFERENCES if r != c.policy}
+        assert set(c.ratios) == {f"vs_{r}" for r in runner.REFERENCES if r != c.policy}
         assert (c.budget_tokens is None) == (c.policy == "dynamic_full")
     full = {(c.prompt_tokens, c.batch): c.kv_bytes for c in cells if c.policy == "dynamic_full"}
     assert full[(40, 1)] > full[(24, 1)] and full[(24, 2)] == 2 * full[(24, 1)]
-    png = bench.plot_decode(cells, tmp_path / "decode.png")
+    png = report.plot_decode(cells, tmp_path / "decode.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_lists_top_ops(tiny, make_ids):
-    result = bench.profile_decode(tiny, make_ids(1, 64)[0], budget=8, prompt=24, steps=3, top=5)
+    result = profile.profile_decode(tiny, make_ids(1, 64)[0], budget=8, prompt=24, steps=3, top=5)
     assert result["policy"] == "h2o" and len(result["ops"]) == 5
     shares = [op["self_share"] for op in result["ops"]]
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
     assert any(op["op"].startswith("aten::") for op in result["ops"])
 
 
-# -- targets and the memory model ------------------------------------------------------------------------------
+# -- the eviction-overhead checks and the memory model -----------------------------------------------------------------
 
 
-def _cell(policy, prompt, ratios, budget=512, gen=256, kv_bytes=0, state_bytes=0) -> bench.Cell:
-    return bench.Cell(
+def _cell(policy, prompt, ratios, budget=512, gen=256, kv_bytes=0, state_bytes=0) -> runner.Cell:
+    return runner.Cell(
         policy=policy,
         budget_tokens=None if policy == "dynamic_full" else budget,
         prompt_tokens=prompt,
@@ -232,7 +232,7 @@ def _vs(floor_step=1.0, full_decode=1.0, full_prefill=1.0):
     }
 
 
-def test_targets_from_cells():
+def test_eviction_overhead_checks_from_cells():
     full_kv = 8191 * 1000
     cells = [
         _cell("dynamic_full", 7936, {}, kv_bytes=full_kv),
@@ -240,40 +240,53 @@ def test_targets_from_cells():
         _cell("h2o", 2048, _vs(1.05)),
         _cell("local", 2048, _vs(1.04)),
         _cell("streaming_llm", 2048, _vs(1.03)),
-        _cell("local", 256, _vs(9.0), gen=32),  # holds fewer tokens than the budget: no target counts it
+        _cell("local", 256, _vs(9.0), gen=32),  # holds fewer tokens than the budget: no check counts it
     ]
-    assert [t.met for t in bench.evaluate_targets(cells)] == [True] * 5
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True] * 5
     cells[1].kv_bytes = 512 * 1000 * 103 // 100
     cells[1].ratios["vs_dynamic_full"]["decode_tok_s"] = 1.5
     cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.07
-    assert [t.met for t in bench.evaluate_targets(cells)] == [True, False, True, False, False]
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True, False, True, False, False]
     cells[1].rss_growth_mb = 2000.0  # 10x the growth at 2048 tokens for 3.9x the tokens: superlinear
-    assert bench.evaluate_targets(cells)[2].met is False
-    assert [t.met for t in bench.evaluate_targets([])] == [None] * 5
+    assert eviction_overhead.evaluate_checks(cells)[2].passed is False
+    assert [c.passed for c in eviction_overhead.evaluate_checks([])] == [None] * 5
+
+
+def test_eviction_overhead_preset_runs_its_cells_at_batch_1(tiny):
+    plan = eviction_overhead.preset_plan()
+    assert [(p.prompt, p.gen, p.batch) for p, _ in plan] == [(512, 32, 1), (2048, 256, 1), (7936, 256, 1)]
+    assert [names for _, names in plan] == [
+        ["dynamic_full", "floor", "h2o"],
+        ["dynamic_full", "floor", "h2o", *eviction_overhead.NO_ATTENTION],
+        ["dynamic_full", "floor", "h2o"],
+    ]
+    assert {"local", "streaming_llm"} <= set(eviction_overhead.NO_ATTENTION)
+    with pytest.raises(ValueError, match="unknown preset"):
+        bench.benchmark(tiny, None, preset="nope")
 
 
 def test_memory_model_on_synthetic_numbers():
-    mib = bench.MIB
+    mib = memory.MIB
     # Growth 300 MiB per row (200 MiB of it K/V: 100 tokens of 2 MiB) plus 100 MiB that does not grow with the batch.
-    samples = [bench.MemSample(b, 1000 * mib, (1000 + 100 + 300 * b) * mib, 200 * mib * b, 100) for b in (1, 4)]
-    mem = bench.MemoryModel.fit(400 * mib, samples)
+    samples = [memory.MemSample(b, 1000 * mib, (1000 + 100 + 300 * b) * mib, 200 * mib * b, 100) for b in (1, 4)]
+    mem = memory.MemoryModel.fit(400 * mib, samples)
     assert mem.kv_bytes_per_token == pytest.approx(2 * mib)
     assert mem.act_bytes_per_seq == pytest.approx(100 * mib)
     assert mem.runtime_bytes == pytest.approx(700 * mib)
     assert mem.peak(10) == pytest.approx((1100 + 3000) * mib)
     assert mem.max_batch(4000 * mib) == 9  # (4000 - 1100) / 300 = 9.67
     assert mem.max_batch(1000 * mib) == 0
-    single = bench.MemoryModel.fit(400 * mib, samples[:1])  # one batch size: all growth counts per row
+    single = memory.MemoryModel.fit(400 * mib, samples[:1])  # one batch size: all growth counts per row
     assert single.act_bytes_per_seq == pytest.approx(200 * mib)
     assert single.max_batch(4000 * mib) == math.floor(3000 / 400)
 
 
 def test_max_batches_predicts_and_verifies(tiny, make_ids):
     tokens = make_ids(1, 64)[0]
-    plan = bench.make_plan([(24, 3)], [1, 2], ["h2o"])
-    cells, _ = bench.run_bench(tiny, tokens, plan, budget=8, repeats=1, progress=False)
-    cap = (max(c.peak_rss_mb for c in cells) + 16) * bench.MIB
-    rows = bench.max_batches(tiny, tokens, cells, cap, budget=8)
+    plan = grid.make_plan([(24, 3)], [1, 2], ["h2o"])
+    cells, _ = grid.run_bench(tiny, tokens, plan, budget=8, repeats=1, progress=False)
+    cap = (max(c.peak_rss_mb for c in cells) + 16) * memory.MIB
+    rows = capacity.max_batches(tiny, tokens, cells, cap, budget=8)
     assert [r["policy"] for r in rows] == ["dynamic_full", "h2o"]
     for row in rows:
         assert row["max_batch"] >= 1 and row["predicted_peak_mb"] <= row["cap_mb"]
@@ -305,5 +318,5 @@ def test_cli_bench_json(capsys):
     for c in result["cells"]:
         assert all(key in c for key in REQUIRED)
         assert (c["prompt_tokens"], c["gen_tokens"], c["batch"]) == (32, 4, 1)
-    assert len(result["targets"]) == 5
-    assert "targets:" in bench.format_report(result)
+    assert len(result["checks"]) == 5
+    assert "checks of the eviction-overhead preset:" in report.format_report(result)
