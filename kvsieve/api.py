@@ -9,62 +9,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.engine.attention import UnsupportedModelError, fallback_of, register
-from kvsieve.engine.budget import Budget, check_budget
-from kvsieve.engine.cache import PolicyPlan, SieveCache
-from kvsieve.engine.rope import Rotary
+from kvsieve.engine.attention import use_kvsieve_attention
+from kvsieve.engine.budget import Budget
+from kvsieve.engine.cache import SieveCache, layer_types
 from kvsieve.engine.schedules import schedule_weights
-from kvsieve.policies import NoParams, Policy, get_policy
-from kvsieve.policies.local import Local
+from kvsieve.policies import Policy, get_policy
+from kvsieve.profiling import profile
 
-
-def use_kvsieve_attention(model: PreTrainedModel) -> str:
-    """Switch ``model`` to kvsieve's attention implementation and return its name.
-
-    Over a kvsieve cache it attends over the kept slots; over any other cache it runs the model's own implementation
-    (the one it had: ``sdpa``, ``eager``, ...; for a model built with ``"kvsieve"`` directly, transformers' default
-    for it), so the model behaves with a ``DynamicCache``, ``StaticCache``, ... exactly as before.
-    """
-    _require_model(model)
-    current = model.config._attn_implementation
-    fallback = fallback_of(current)
-    if fallback is None:
-        fallback = current or model.get_correct_attn_implementation(None)
-    elif fallback == "sdpa" and model.get_correct_attn_implementation(None) != "sdpa":
-        fallback = "eager"  # built with "kvsieve" directly, but the model cannot run sdpa (softcapping, sinks)
-    name = register(fallback)
-    if current != name:
-        model.set_attn_implementation(name)
-    if model.config._attn_implementation != name:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} cannot switch to a custom attention implementation (it does not use "
-            "transformers' AttentionInterface), so kvsieve cannot see its attention"
-        )
-    return name
-
-
-def _require_model(model: Any) -> None:
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
-
-
-def _layer_types(model: PreTrainedModel) -> list[str]:
-    _require_model(model)
-    config = model.config.get_text_config()
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} is an encoder-decoder model; kvsieve needs a decoder-only LM"
-        )
-    n_layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(n_layers, int) or n_layers <= 0:
-        raise UnsupportedModelError(f"{type(model).__name__}: its config has no num_hidden_layers")
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
-    unsupported = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-    if unsupported:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has layer types {unsupported}; kvsieve supports full and sliding-window attention"
-        )
-    return types
+__all__ = ["Generation", "generate", "make_cache", "use_kvsieve_attention"]
 
 
 def make_cache(
@@ -73,6 +25,7 @@ def make_cache(
     budget: Budget | None = 0.2,
     *,
     rolling: bool = False,
+    stream: bool = False,
     schedule: str | Sequence[float] = "uniform",
     **policy_kwargs: Any,
 ) -> SieveCache:
@@ -82,25 +35,21 @@ def make_cache(
     ``policy_kwargs``: the policy's parameters (see ``kvsieve policies``). Sliding-window layers (e.g. Gemma 3's
     local layers) keep their own window; the policy and budget apply to the global layers. ``rolling=True`` assigns
     RoPE positions by rank within the cache (StreamingLLM-style), so streams can run past the model's
-    ``max_position_embeddings``. ``schedule`` shares the budget among the policy layers, same total (``uniform``,
-    ``increasing``, ``pyramid``, ``profiled`` or explicit per-layer weights; see :mod:`kvsieve.engine.schedules`).
-    Switches the model to kvsieve's attention implementation (see :func:`use_kvsieve_attention`).
+    ``max_position_embeddings``. ``stream=True``: every forward pass follows the stream protocol, one forward over a
+    sequence giving exactly the logits of feeding it token by token (``with cache.streaming():`` for a few passes
+    only; see :mod:`kvsieve.engine.stream`). ``schedule`` shares the budget among the policy layers, same total
+    (``uniform``, ``increasing``, ``pyramid``, ``profiled`` or explicit per-layer weights; see
+    :mod:`kvsieve.engine.schedules`). Switches the model to kvsieve's attention implementation (see
+    :func:`use_kvsieve_attention`).
     """
     cls = get_policy(policy)
     params = cls.make_params(**policy_kwargs)
-    types = _layer_types(model)
-    window = getattr(model.config.get_text_config(), "sliding_window", None)
-    if "sliding_attention" in types and not window:
-        raise UnsupportedModelError(f"{type(model).__name__} has sliding layers but no sliding_window in its config")
-    layers = [(cls, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
-    takes_budget = cls.takes_budget()
-    weights = schedule_weights(schedule, model, types.count("full_attention")) if takes_budget else None
-    plan = PolicyPlan(layers, budget if takes_budget else None, weights)
-    rotary = Rotary.from_config(model.config.get_text_config()) if rolling else None
+    weights = None
+    if cls.takes_budget():
+        n_layers = layer_types(model).count("full_attention")
+        weights = schedule_weights(schedule, n_layers, lambda: profile(model))
+    cache = SieveCache.for_model(model, cls, params, budget, weights, rolling=rolling, stream=stream)
     use_kvsieve_attention(model)
-    cache = SieveCache(plan, [t == "sliding_attention" for t in types])
-    if rotary is not None:
-        cache.enable_rolling(rotary)
     return cache
 
 
@@ -150,16 +99,12 @@ def generate(
     reserved = sorted(RESERVED_GENERATE_KWARGS & generate_kwargs.keys())
     if reserved:
         raise ValueError(f"kvsieve.generate sets {', '.join(reserved)} itself; pass the prompts and max_new_tokens")
-    if budget is not None:
-        check_budget(budget)
+    cache = make_cache(model, policy, budget, schedule=schedule, **(policy_kwargs or {}))
     enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(model.device)
     prompt_len = enc["input_ids"].shape[1]
-    cache = make_cache(model, policy, budget, schedule=schedule, **(policy_kwargs or {}))
+    cache.resolve(prompt_len)  # (a ratio budget: against the padded prompt, so invalid splits fail before any work)
     # The prompt is the first pass's first tokens: assisted generation and prompt lookup add draft tokens to it.
     cache.set_prompt_length(prompt_len)
-    if isinstance(budget, float) and cache.plan.budget is not None:
-        # Resolve now against the padded prompt, so invalid splits fail before any work.
-        cache.plan.resolve(prompt_len)
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("tokenizer", tokenizer)  # (stop strings and assistants with their own tokenizer)
     if tokenizer.pad_token_id is not None:

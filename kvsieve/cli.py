@@ -133,29 +133,9 @@ def cmd_data(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_policies(args: argparse.Namespace) -> dict[str, Any]:
-    import dataclasses
-
     from kvsieve.policies import REGISTRY
 
-    rows = []
-    for cls in REGISTRY.values():
-        params = {
-            f.name: (f.default if f.default is not dataclasses.MISSING else None)
-            for f in dataclasses.fields(cls.Params)
-        }
-        rows.append(
-            {
-                "name": cls.name,
-                "paper": cls.paper,
-                "needs_attention": cls.needs_attention,
-                "bounded": cls.bounded,
-                "saves_memory": cls.bounded,
-                "takes_budget": cls.takes_budget(),
-                "params": params,
-                "summary": (cls.__doc__ or "").strip().splitlines()[0],
-            }
-        )
-    return {"policies": rows}
+    return {"policies": [cls.info() for cls in REGISTRY.values()]}
 
 
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,6 +320,22 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def cmd_analyze(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.analysis import POLICY_ANALYSES
+    from kvsieve.analysis.report import run_analysis
+    from kvsieve.policies import get_policy
+
+    options = {"policies": args.policies, "budget": args.budget} if args.analysis in POLICY_ANALYSES else {}
+    for name in options.get("policies", ()):
+        get_policy(name)  # an unknown policy is an error before the model loads
+    text = _text(args)
+    model, tokenizer = _load(args)
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
+    about = {"model": args.model, "text": args.file or text.splitlines()[0].strip("= ")}
+    out = args.out or f"out/analyze/{args.analysis}"
+    return run_analysis(args.analysis, model, ids, out, progress=not args.json, about=about, **options)
+
+
 def _print_human(command: str, result: dict[str, Any]) -> None:
     if command == "compare":
         from kvsieve.evaluation.compare import CompareRow, format_table
@@ -372,6 +368,11 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
     elif command == "sweep":
         print(result["table"])
         print(f"{result['computed']} cell(s) computed; outputs:", *result["files"].values(), sep="\n  ")
+    elif command == "analyze":
+        from kvsieve.analysis.report import markdown
+
+        print(markdown(result))
+        print("wrote", *result["files"].values(), sep="\n  ")
     else:
         for key, value in result.items():
             print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
@@ -388,6 +389,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "xsum": cmd_xsum,
     "sweep": cmd_sweep,
     "lm-eval": cmd_lm_eval,
+    "analyze": cmd_analyze,
 }
 
 
@@ -517,6 +519,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report", action="store_true", help="compute nothing: tables and plots of the finished cells (others: —)"
     )
+
+    from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES
+
+    p = sub.add_parser("analyze", help="the papers' motivating analyses of attention on real text (summary, PNG, .md)")
+    analyses = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    for name, help_text in ANALYSES.items():
+        a = analyses.add_parser(name, help=help_text, description=help_text)
+        _common(a)
+        a.add_argument("--file", help="a local text file (default: a built-in Wikipedia article)")
+        a.add_argument("--max-tokens", type=POSITIVE_INT, default=1024, help="tokens of the text to use (default 1024)")
+        a.add_argument("--out", help=f"output directory (default: out/analyze/{name})")
+        if name in POLICY_ANALYSES:
+            a.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), help="(default: %(default)s)")
+            a.add_argument("--budget", type=_budget, default=0.2, help="tokens or a ratio of the text (default 0.2)")
 
     p = sub.add_parser(
         "lm-eval",

@@ -20,7 +20,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.api import use_kvsieve_attention
+from kvsieve.engine.attention import use_kvsieve_attention
 from kvsieve.fetch import FetchError, cache_dir, fetch_members
 
 logger = logging.getLogger(__name__)

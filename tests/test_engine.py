@@ -19,7 +19,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kvsieve
-from kvsieve.engine.cache import SieveLayer
+from kvsieve.engine.layer import SieveLayer
 from kvsieve.policies import REGISTRY, Slots, get_policy
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, ma
     for shared in (True, False):
         cache = kvsieve.make_cache(gemma3, "h2o", 9)
         if not shared:  # every layer computes everything itself
-            cache.plan.share = lambda what, stamp, make: make()
+            cache.memo.share = lambda what, stamp, make: make()
         runs.append(stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask))
     assert torch.equal(runs[0], runs[1])
     monkeypatch.setattr(SieveLayer, "_positions", counted)

@@ -20,7 +20,7 @@ from transformers import (
 from transformers.cache_utils import SlidingWindowCache
 
 import kvsieve
-from kvsieve.engine.cache import SieveLayer
+from kvsieve.engine.layer import SieveLayer
 from kvsieve.policies import REGISTRY
 
 NEW = 12
@@ -152,10 +152,11 @@ def _state(cache: kvsieve.SieveCache) -> list[tuple[torch.Tensor, ...]]:
     """Everything a cache holds, per layer: positions, keys, values and policy state of the held tokens."""
     out = []
     for i, layer in enumerate(cache.layers):
-        order = layer.pos[:, :, : layer.n].argsort(dim=-1)
-        held = [layer.keys, layer.values, *layer.state.values()]
+        store = layer.store
+        order = store.positions[:, :, : store.used].argsort(dim=-1)
+        held = [store.keys, store.values, *store.state.values()]
         out.append(
-            (cache.positions(i).sort(dim=-1).values, *(t[:, :, : layer.n].gather(2, _wide(order, t)) for t in held))
+            (cache.positions(i).sort(dim=-1).values, *(t[:, :, : store.used].gather(2, _wide(order, t)) for t in held))
         )
         out[-1] = (*out[-1], torch.tensor([layer.get_seq_length()]))
     return out

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 import kvsieve
-from kvsieve.engine import attention
+from kvsieve.engine import slot_attention
 from kvsieve.policies import REGISTRY
 
 TINY_MODELS = ("llama_mha", "llama_gqa", "gemma3")
@@ -118,9 +118,9 @@ def test_left_padded_batch_equals_rows_alone(model, policy) -> None:
 
 
 @policies
-@pytest.mark.parametrize("step_size", [None, 16], ids=["one-step", "chunks"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["one-step", "stream"])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
-def test_row_blocks_change_nothing(model, policy, step_size, padded, stream, make_ids, monkeypatch) -> None:
+def test_row_blocks_change_nothing(model, policy, streamed, padded, stream, make_ids, monkeypatch) -> None:
     """A prompt attended in blocks of 2 query rows, each over the slots up to its own last token only, leaves the
     same logits, kept tokens and policy state as one block over every slot (float64 model: no near-ties)."""
     model = copy.deepcopy(model).double()
@@ -130,21 +130,22 @@ def test_row_blocks_change_nothing(model, policy, step_size, padded, stream, mak
         mask[1, :7] = 0
 
     def run() -> tuple[torch.Tensor, kvsieve.SieveCache]:
-        cache = kvsieve.make_cache(model, policy, BUDGET)
-        cache.step_size = step_size
+        cache = kvsieve.make_cache(model, policy, BUDGET, stream=streamed)
         return stream(model, cache, prompt, 4, attention_mask=mask if padded else None), cache
 
     reference, whole = run()
-    monkeypatch.setattr(attention, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 2)
+    monkeypatch.setattr(slot_attention, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(slot_attention, "MIN_BLOCK_ROWS", 2)
     logits, blocked = run()
     real = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1).bool()  # padding rows' outputs are unused
     torch.testing.assert_close(logits[real], reference[real], atol=1e-5, rtol=0)  # (fp32 logits)
     for a, b in zip(blocked.layers, whole.layers, strict=True):
         assert torch.equal(a.held_positions(), b.held_positions())
-        for name, state in a.state.items():
+        for name, state in a.store.state.items():
             # (scores are fp32 sums whatever the model's dtype: the blocks add them up in another order)
-            torch.testing.assert_close(state[:, :, : a.n], b.state[name][:, :, : b.n], atol=1e-7, rtol=1e-5)
+            torch.testing.assert_close(
+                state[:, :, : a.store.used], b.store.state[name][:, :, : b.store.used], atol=1e-7, rtol=1e-5
+            )
 
 
 @policies

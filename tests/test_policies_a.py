@@ -88,8 +88,9 @@ def record(model: PreTrainedModel, stream: Callable, monkeypatch, policy: str, *
             step_calls.append(calls[key][seen[key] :])
             seen[key] = len(calls[key])
         run.steps.append(step_calls)
-        run.slots.append([layer.pos[:, :, : layer.n].tolist() for layer in cache.layers])
-        run.state.append([{k: v[:, :, : layer.n].clone() for k, v in layer.state.items()} for layer in cache.layers])
+        stores = [layer.store for layer in cache.layers]
+        run.slots.append([store.positions[:, :, : store.used].tolist() for store in stores])
+        run.state.append([{k: v[:, :, : store.used].clone() for k, v in store.state.items()} for store in stores])
         run.counts.append(cache.slot_counts()[0])
 
     ids = torch.randint(3, 128, (2, PROMPT), generator=torch.Generator().manual_seed(7))
@@ -408,11 +409,11 @@ def test_ahakv_sgs_scores_of_a_short_prompt_are_uniform(model) -> None:
         model(torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(3)), past_key_values=cache)
     expected = torch.tensor([sum(group / i for i in range(j + 1, length + 1)) for j in range(length)])
     for layer in cache.layers:
-        torch.testing.assert_close(layer.state["score"][0, :, :length], expected.expand(2, -1))
+        torch.testing.assert_close(layer.store.state["score"][0, :, :length], expected.expand(2, -1))
     plain = kvsieve.make_cache(model, "ahakv", 16, recent=4, ra=False, vpe=False, sgs=False)
     with torch.inference_mode():
         model(torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(3)), past_key_values=plain)
-    assert not torch.allclose(plain.layers[0].state["score"][0, :, :length], expected.expand(2, -1))
+    assert not torch.allclose(plain.layers[0].store.state["score"][0, :, :length], expected.expand(2, -1))
 
 
 def test_value_prior_pools_squared_norms_in_position_order() -> None:

@@ -1,11 +1,10 @@
 """Property-based test (hypothesis) over tiny random models: any policy × budget × parameters × batch and padding ×
-prompt and decode lengths × dtype × step size either is refused by ``make_cache`` with a ``ValueError`` or runs
-with every invariant holding:
+prompt and decode lengths × dtype × protocol (stream or not) either is refused by ``make_cache`` with a
+``ValueError`` or runs with every invariant holding:
 
 - every layer holds at most its budget between steps (sliding layers their window − 1), unbounded ones grow;
 - no NaN or inf in the logits of real tokens;
-- each row of a left-padded batch gives the logits it gives alone (float64, where round-off cannot decide ties;
-  ``step_size`` None or 1: larger chunks are cut in the padded batch);
+- each row of a left-padded batch gives the logits it gives alone (float64, where round-off cannot decide ties);
 - ``full`` equals a ``DynamicCache``.
 
 Seeded and derandomized (the same examples every run), no example database, a bounded number of examples.
@@ -60,7 +59,7 @@ def runs(draw: st.DrawFn) -> dict[str, Any]:
         "params": {name: draw(_value(hints[name])) for name in names},
         "lengths": draw(st.lists(st.integers(1, 40), min_size=batch, max_size=batch)),
         "steps": draw(st.integers(0, 24)),
-        "step_size": draw(st.sampled_from([None, None, 1, 4])),
+        "stream": draw(st.sampled_from([False, False, True])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -103,11 +102,10 @@ def _feed(model: PreTrainedModel, cache: Any, ids: torch.Tensor, mask: torch.Ten
 def test_invariants_hold_for_any_run(models, run) -> None:
     model = models(run["model"], run["dtype"])
     try:
-        cache = kvsieve.make_cache(model, run["policy"], run["budget"], **run["params"])
+        cache = kvsieve.make_cache(model, run["policy"], run["budget"], stream=run["stream"], **run["params"])
     except ValueError:
         event("refused by make_cache")
         return  # refused up front with one clear error: fine (bad parameters for this budget)
-    cache.step_size = run["step_size"]
     lengths = run["lengths"]
     batch, width = len(lengths), max(lengths)
     gen = torch.Generator().manual_seed(run["seed"])
@@ -139,12 +137,10 @@ def test_invariants_hold_for_any_run(models, run) -> None:
     if run["policy"] == "full":
         reference = _feed(model, DynamicCache(config=model.config), ids, mask, steps, lambda cache: None)
         torch.testing.assert_close(logits[real], reference[real], atol=1e-4, rtol=0)
-    # (chunks of step_size > 1 are cut in the padded batch, so a padded row is chunked otherwise than alone)
-    if run["dtype"] == torch.float64 and batch > 1 and run["step_size"] in (None, 1):
+    if run["dtype"] == torch.float64 and batch > 1:
         budget = cache.budget_tokens if isinstance(run["budget"], float) else run["budget"]
         for row in range(batch):
-            alone = kvsieve.make_cache(model, run["policy"], budget, **run["params"])
-            alone.step_size = run["step_size"]
+            alone = kvsieve.make_cache(model, run["policy"], budget, stream=run["stream"], **run["params"])
             row_ids = ids[row : row + 1, mask[row].bool()]
             got = _feed(model, alone, row_ids, torch.ones_like(row_ids), steps[row : row + 1], lambda cache: None)
             torch.testing.assert_close(logits[row, real[row]], got[0], atol=1e-4, rtol=1e-4)  # (RoPE in fp32)

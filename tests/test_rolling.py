@@ -52,15 +52,13 @@ def test_rolling_streaming_llm_sees_kept_tokens_at_consecutive_positions():
     # exactly the logits of a fresh forward over [sinks + recent window + token] at positions 0..12.
     model = _model(1)
     ids = torch.randint(0, 101, (1, 40))
-    cache = kvsieve.make_cache(model, "streaming_llm", 12, sink=2, rolling=True)
-    cache.step_size = 1
+    cache = kvsieve.make_cache(model, "streaming_llm", 12, sink=2, rolling=True, stream=True)
     logits = model(ids, past_key_values=cache).logits
     kept = [0, 1, *range(29, 40)]  # before token 39: 2 sinks + tokens 29..38; then token 39 itself
     ref = model(ids[:, kept], past_key_values=DynamicCache()).logits
     torch.testing.assert_close(logits[:, -1], ref[:, -1], atol=1e-5, rtol=1e-5)
     # Without rolling the positions differ, and so do the logits.
-    plain = kvsieve.make_cache(model, "streaming_llm", 12, sink=2)
-    plain.step_size = 1
+    plain = kvsieve.make_cache(model, "streaming_llm", 12, sink=2, stream=True)
     assert not torch.allclose(model(ids, past_key_values=plain).logits[:, -1], ref[:, -1], atol=1e-3)
 
 
@@ -68,8 +66,7 @@ def test_rolling_streaming_llm_sees_kept_tokens_at_consecutive_positions():
 def test_rolling_streams_past_max_position_embeddings():
     model = _model(2)
     ids = torch.randint(0, 101, (1, 200))  # > max_position_embeddings = 64
-    cache = kvsieve.make_cache(model, "h2o", 16, rolling=True)
-    cache.step_size = 1
+    cache = kvsieve.make_cache(model, "h2o", 16, rolling=True, stream=True)
     logits = model(ids, past_key_values=cache).logits
     assert torch.isfinite(logits).all()
     assert max(cache.slot_counts()) <= 16

@@ -11,14 +11,15 @@ import pytest
 import torch
 
 import kvsieve
+from kvsieve import profiling
 from kvsieve.cli import build_parser, main
-from kvsieve.engine import schedules
-from kvsieve.engine.schedules import Coverage, CoverageParams, profile, ramp, split_budget
+from kvsieve.engine.schedules import ramp, split_budget
 from kvsieve.policies import Observation, Slots
+from kvsieve.profiling import Coverage, CoverageParams, profile
 
 
 def _budgets(cache: kvsieve.SieveCache) -> list[int | None]:
-    return [policy.budget for policy in cache.plan.resolve(0)]
+    return cache.budgets
 
 
 def test_split_budget_rounds_deterministically_to_the_exact_total() -> None:
@@ -123,7 +124,7 @@ def test_coverage_statistic() -> None:
 @pytest.fixture
 def profiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty profile cache."""
-    monkeypatch.setattr(schedules, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(profiling, "cache_dir", lambda: tmp_path)
     return tmp_path / "profiles"
 
 

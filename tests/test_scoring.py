@@ -1,4 +1,4 @@
-"""Whole-sequence scoring: one forward with ``step_size=1`` gives the logits of feeding tokens one at a time."""
+"""The stream protocol: one forward over a sequence gives the logits of feeding its tokens one at a time."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.engine.cache import SieveLayer
+from kvsieve.engine.layer import SieveLayer
+from kvsieve.engine.stream import plan_chunks
 from kvsieve.evaluation.perplexity import stream_logits, stream_perplexity
 from kvsieve.policies import REGISTRY
+from kvsieve.policies.base import SinkWindow
 
 
 def _both_engines(model, ids: torch.Tensor, policy: str, budget: int, prefill: int) -> tuple[torch.Tensor, ...]:
@@ -47,15 +49,15 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
         kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
         steps = []
         monkeypatch.setattr(SieveLayer, "_step", _counting(SieveLayer._step, steps))
-        cache = kvsieve.make_cache(llama_gqa, policy, 16)
-        cache.step_size = 1
+        cache = kvsieve.make_cache(llama_gqa, policy, 16, stream=True)
         whole = llama_gqa(ids, past_key_values=cache).logits
     torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
     for a, b in zip(kept, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))], strict=True):
         assert torch.equal(a, b)
     cls = REGISTRY[policy]
     chunked = cls.row_additive or not cls.needs_attention
-    per_layer = 1 if not cls.bounded or cls.stream_closed_form else 1 + 40 - 16 if chunked else 40
+    closed_form = isinstance(cache.layers[0].policy, SinkWindow)
+    per_layer = 1 if not cls.bounded or closed_form else 1 + 40 - 16 if chunked else 40
     assert len(steps) == per_layer * len(cache.layers)
 
 
@@ -81,8 +83,7 @@ def test_stream_of_a_left_padded_batch_equals_token_by_token(policy, llama_gqa, 
             dim=1,
         )
         kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
-        cache = kvsieve.make_cache(llama_gqa, policy, 16)
-        cache.step_size = 1
+        cache = kvsieve.make_cache(llama_gqa, policy, 16, stream=True)
         whole = llama_gqa(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
     real = mask.bool()
     torch.testing.assert_close(whole[real], decode[real], atol=1e-4, rtol=1e-4)
@@ -91,9 +92,9 @@ def test_stream_of_a_left_padded_batch_equals_token_by_token(policy, llama_gqa, 
 
 
 def _counting(step, calls: list[int]):
-    def counted(self, query, *args, **kwargs):
-        calls.append(query.shape[2])
-        return step(self, query, *args, **kwargs)
+    def counted(self, chunk, *args, **kwargs):
+        calls.append(chunk.keys.shape[2])
+        return step(self, chunk, *args, **kwargs)
 
     return counted
 
@@ -136,11 +137,18 @@ def test_stream_perplexity_engines_agree_and_report(real_model, tokenizer, wiki_
         stream_perplexity(model, ids, "h2o", 40, prefill=160)
 
 
-def test_step_size_must_be_positive(llama_gqa):
+def test_stream_is_an_option_of_the_cache_or_of_a_block(llama_gqa):
     cache = kvsieve.make_cache(llama_gqa, "h2o", 8)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="step_size"):
-            cache.step_size = bad
+    assert cache.stream is False
+    with cache.streaming():
+        assert cache.stream is True
+        with cache.streaming(False):
+            assert cache.stream is False
+        assert cache.stream is True
+    assert cache.stream is False and kvsieve.make_cache(llama_gqa, "h2o", 8, stream=True).stream is True
+    for bad in (0, 1, "yes", None):
+        with pytest.raises(ValueError, match="stream must be True or False"):
+            kvsieve.make_cache(llama_gqa, "h2o", 8, stream=bad)
 
 
 def test_stream_curve_plot(tmp_path):
@@ -155,3 +163,32 @@ def test_stream_curve_plot(tmp_path):
     result.curve = []
     with pytest.raises(ValueError, match="no curve"):
         plot_stream_curves([result], tmp_path / "x.png")
+
+
+@pytest.mark.parametrize(
+    ("policy", "q", "prompt", "options", "bounds", "closed_form"),
+    [
+        ("h2o", 5, 5, {}, [0, 5], False),  # an ordinary pass: one chunk
+        ("h2o", 1, 0, {"stream": True}, [0, 1], False),  # a decode step
+        ("h2o", 8, 5, {}, [0, 5, 6, 7, 8], False),  # a prompt then drafts (set_prompt_length)
+        ("h2o", 3, 0, {"decode": True}, [0, 1, 2, 3], False),  # a recorded step
+        ("local", 150, 150, {"stream": True}, [0, 64, 128, 150], True),  # closed form: chunks of max(16, 64)
+        ("local", 40, 40, {"stream": True, "rolling": True}, [0, *range(16, 41)], False),  # (rolling: not closed)
+        ("h2o", 20, 20, {"stream": True, "held": 10}, [0, 6, 7, 8, *range(9, 21)], False),  # room for 6 first
+        ("knorm", 20, 20, {"stream": True}, [0, *range(16, 21)], False),  # (never observes: chunked as well)
+        ("snapkv", 4, 4, {"stream": True}, [0, 1, 2, 3, 4], False),  # observes, not row-additive: one by one
+        ("full", 30, 30, {"stream": True}, [0, 30], False),  # never evicts: one chunk
+    ],
+)
+def test_chunk_plans(policy, q, prompt, options, bounds, closed_form) -> None:
+    cls = REGISTRY[policy]
+    planned = plan_chunks(
+        q,
+        prompt,
+        stream=options.get("stream", False),
+        decode=options.get("decode", False),
+        policy=cls(16 if cls.takes_budget() else None),
+        held=options.get("held", 0),
+        rolling=options.get("rolling", False),
+    )
+    assert planned.bounds == sorted(set(bounds)) and planned.closed_form is closed_form

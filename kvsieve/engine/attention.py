@@ -16,10 +16,9 @@ Each model gets the name of its own implementation's twin (:func:`implementation
 that ran sdpa, ``"kvsieve_eager"`` for one that ran eager attention (Gemma 2, GPT-OSS: softcapping and attention
 sinks are not sdpa features), ``"kvsieve_<name>"`` for any other registered implementation.
 
-:func:`slot_attention` is the attention over slots itself: keys carry their original positions, so causality,
-padding and sliding windows are all ``key_pos <= query_pos`` comparisons, per (batch row, KV head). It implements
-logit soft-capping (Gemma 2) and attention sinks (GPT-OSS: a learned logit per query head in the softmax
-denominator, whose probability belongs to no token) exactly as the models' eager attention does.
+The attention over slots itself is :mod:`kvsieve.engine.slot_attention`; it implements logit soft-capping (Gemma 2)
+and attention sinks (GPT-OSS: a learned logit per query head in the softmax denominator, whose probability belongs to
+no token) exactly as the models' eager attention does.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     AttentionMaskInterface,
@@ -42,16 +40,10 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvsieve.policies.base import Observation, visible_slots
+from kvsieve.engine.slot_attention import AttentionArgs
 
 ATTN_IMPLEMENTATION = "kvsieve"
 """The name of kvsieve's attention implementation for models whose own implementation is sdpa (the default)."""
-
-# Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
-# memory grows with rows·N, never q·N for long prompts. 8 MiB blocks stay in cache: at 4,096 tokens the explicit
-# attention of a 2^21-element block runs 2x faster than of a 2^25 one (one CPU thread).
-BLOCK_ELEMENTS = 1 << 21
-MIN_BLOCK_ROWS = 16  # a floor, so that large batches over long caches do not loop over single rows
 
 
 class UnsupportedModelError(RuntimeError):
@@ -83,6 +75,32 @@ def register(fallback: str = "sdpa") -> str:
     name = implementation_name(fallback)
     AttentionInterface.register(name, partial(sieve_attention, fallback=fallback))
     AttentionMaskInterface.register(name, partial(sieve_mask, fallback=fallback))
+    return name
+
+
+def use_kvsieve_attention(model: PreTrainedModel) -> str:
+    """Switch ``model`` to kvsieve's attention implementation and return its name.
+
+    Over a kvsieve cache it attends over the kept slots; over any other cache it runs the model's own implementation
+    (the one it had: ``sdpa``, ``eager``, ...; for a model built with ``"kvsieve"`` directly, transformers' default
+    for it), so the model behaves with a ``DynamicCache``, ``StaticCache``, ... exactly as before.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+    current = model.config._attn_implementation
+    fallback = fallback_of(current)
+    if fallback is None:
+        fallback = current or model.get_correct_attn_implementation(None)
+    elif fallback == "sdpa" and model.get_correct_attn_implementation(None) != "sdpa":
+        fallback = "eager"  # built with "kvsieve" directly, but the model cannot run sdpa (softcapping, sinks)
+    name = register(fallback)
+    if current != name:
+        model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot switch to a custom attention implementation (it does not use "
+            "transformers' AttentionInterface), so kvsieve cannot see its attention"
+        )
     return name
 
 
@@ -179,26 +197,6 @@ def sieve_mask(*, fallback: str, **kwargs: Any) -> Any:
 
 
 # -- attention --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AttentionArgs:
-    """What one layer's attention over slots computes, from the arguments the model passed."""
-
-    scaling: float
-    window: int | None = None
-    """Sliding window: a query at ``p`` sees keys at ``> p - window`` (None = all earlier keys)."""
-    softcap: float | None = None
-    """Logit soft-capping (Gemma 2): logits become ``softcap · tanh(logits / softcap)`` before masking."""
-    sinks: torch.Tensor | None = None
-    """``[Hq]`` attention-sink logits (GPT-OSS): one more term per query head in the softmax denominator."""
-    weights: bool = False
-    """Whether to return the attention probabilities (``output_attentions=True``)."""
-
-    @property
-    def explicit(self) -> bool:
-        """Whether the logits must be computed explicitly (torch's fused attention has none of these)."""
-        return self.softcap is not None or self.sinks is not None or self.weights
 
 
 def _always(value: Any) -> bool:
@@ -325,117 +323,3 @@ def sieve_attention(
         raise
     out, weights = layer.attend(query, key, value, attention_mask, args)
     return out.transpose(1, 2).contiguous(), weights
-
-
-def slot_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_pos: torch.Tensor,
-    query_pos: torch.Tensor,
-    args: AttentionArgs,
-    observe: Callable[[Observation], None] | None = None,
-    narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    restrict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    all_visible: bool = False,
-    causal_tail: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of ``query`` ``[B, Hq, q, D]`` over slots ``key``/``value`` ``[B, Hkv, N, D]``.
-
-    ``key_pos`` ``[B, Hkv, N]`` and ``query_pos`` ``[B, q]`` are original positions (-1 = empty/padding); ``args``
-    the scaling, window, soft-capping and sinks. When ``observe`` is given (or ``args`` needs it), the logits and
-    fp32 probabilities are computed explicitly — ``observe`` gets them block by block as an
-    :class:`~kvsieve.policies.base.Observation` —, in fp32 (fp64 for a fp64 model); otherwise torch's fused
-    ``scaled_dot_product_attention`` runs.
-    With ``observe``, ``narrow(logits, allowed)`` may restrict each query head's keys further (see
-    :meth:`~kvsieve.policies.base.Policy.narrow`). ``restrict(key_pos, query_pos)`` (a position-only
-    ``[B, Hkv, b, N]`` mask) restricts what real queries see. ``all_visible``: the caller guarantees that every
-    query is real and may attend to every slot (a decode step over real tokens without a window), so no mask is
-    built. ``causal_tail``: the last ``q`` slots hold the queries' own tokens in query order (a step's new
-    tokens), so a block of query rows is computed over the slots up to its own last token only — the later ones
-    are invisible to it — and its observation covers those slots only (``Observation.key_pos`` says how many).
-    Returns the output ``[B, Hq, q, D]`` and, with ``args.weights``, the probabilities ``[B, Hq, q, N]``.
-    """
-    bsz, n_q_heads, q_len, head_dim = query.shape
-    n_kv_heads, n_slots = key.shape[1], key.shape[2]
-    group = n_q_heads // n_kv_heads
-    window = args.window
-    explicit = observe is not None or args.explicit
-    precision = torch.promote_types(query.dtype, torch.float32)  # of explicit logits and probabilities
-    rows = max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, bsz * n_q_heads * n_slots))
-    # With one head layout (one KV head, or every head holding the same tokens in the same slots, as after a
-    # fresh prompt), the sdpa mask broadcasts over heads instead of being copied per query head.
-    shared_layout = q_len > 1 and (n_kv_heads == 1 or bool((key_pos == key_pos[:, :1]).all()))
-    # Explicit prompt blocks whose earlier slots are all real and unrestricted need a mask on their diagonal only.
-    diagonal_only = (
-        explicit
-        and causal_tail
-        and q_len > 1
-        and window is None
-        and narrow is None
-        and restrict is None
-        and bool((key_pos >= 0).all())
-    )
-    # Keys transposed once for the explicit logits, contiguous for a prompt: its matmuls run ~1.5x faster. The
-    # explicit products are batched over (row, KV head) pairs (bmm: faster than a 4-D matmul for a decode step).
-    key_t = values_3d = sinks = None
-    if explicit:
-        key_t = key.transpose(-1, -2)
-        key_t = (key_t.contiguous() if q_len > 1 else key_t).reshape(bsz * n_kv_heads, head_dim, n_slots)
-        values_3d = value.reshape(bsz * n_kv_heads, n_slots, -1)
-        if args.sinks is not None:
-            sinks = args.sinks.to(precision).view(1, n_kv_heads, group, 1, 1)
-    all_weights = query.new_zeros((bsz, n_q_heads, q_len, n_slots), dtype=torch.float32) if args.weights else None
-    outputs = []
-    for start in range(0, q_len, rows):
-        end = min(q_len, start + rows)
-        b = end - start
-        cols = n_slots - q_len + end if causal_tail else n_slots
-        q_blk, qp = (query, query_pos) if b == q_len else (query[:, :, start:end], query_pos[:, start:end])
-        k_blk, v_blk, kp = (
-            (key, value, key_pos) if cols == n_slots else (key[:, :, :cols], value[:, :, :cols], key_pos[:, :, :cols])
-        )
-        allowed = None if all_visible or diagonal_only else visible_slots(kp, qp, window)
-        if restrict is not None:
-            allowed = allowed & (restrict(kp, qp) | (qp < 0)[:, None, :, None])
-        if explicit:
-            q_fold = (q_blk * args.scaling).reshape(bsz * n_kv_heads, group * b, head_dim)
-            logits = torch.bmm(q_fold, key_t if cols == n_slots else key_t[..., :cols])
-            logits = logits.to(precision).view(bsz, n_kv_heads, group, b, cols)
-            if args.softcap is not None:  # before masking, as the models' eager attention
-                logits = torch.tanh(logits / args.softcap) * args.softcap
-            if narrow is not None:
-                allowed = visible_slots(kp, qp, window) if allowed is None else allowed
-                logits.masked_fill_(~narrow(logits, allowed), float("-inf"))
-            elif allowed is not None:
-                logits.masked_fill_(~allowed[:, :, None], float("-inf"))
-            elif diagonal_only:
-                diagonal = visible_slots(kp[:, :, cols - b :], qp)
-                logits[..., cols - b :].masked_fill_(~diagonal[:, :, None], float("-inf"))
-            if sinks is None:
-                probs = logits.softmax(dim=-1)
-            else:  # the sink's probability belongs to no token: dropped after the softmax
-                probs = torch.cat([logits, sinks.expand(bsz, -1, -1, b, 1)], dim=-1).softmax(dim=-1)[..., :cols]
-            weights = probs.reshape(bsz * n_kv_heads, group * b, cols).to(value.dtype)
-            out = torch.bmm(weights, values_3d if cols == n_slots else values_3d[:, :cols])
-            out = out.view(bsz, n_q_heads, b, -1)
-            if all_weights is not None:
-                all_weights[:, :, start:end, :cols] = probs.reshape(bsz, n_q_heads, b, cols)
-            if observe is not None:
-                summed = probs.sum(dim=2)
-                if not (all_visible or diagonal_only):  # (otherwise no query is padding)
-                    summed.mul_((qp >= 0)[:, None, :, None])
-                observe(Observation(summed, logits, qp, q_len, key_pos=kp, window=window, mask=allowed))
-        elif b == 1:
-            # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
-            q_fold = q_blk.reshape(bsz, n_kv_heads, group, head_dim)
-            out = F.scaled_dot_product_attention(q_fold, k_blk, v_blk, attn_mask=allowed, scale=args.scaling)
-            out = out.reshape(bsz, n_q_heads, 1, -1)
-        else:
-            if allowed is not None:
-                allowed = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(
-                q_blk, k_blk, v_blk, attn_mask=allowed, scale=args.scaling, enable_gqa=group > 1
-            )
-        outputs.append(out)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), all_weights

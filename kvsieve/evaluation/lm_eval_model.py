@@ -20,9 +20,9 @@ tokens for scoring, ``round(ratio · (context + max_gen_toks))`` for generation,
 Protocols:
 
 - ``stream``: eviction applies from the first token. The request is fed in one forward pass with the cache's
-  ``step_size = 1``, which gives exactly the logits of feeding it token by token.
+  the stream protocol, which gives exactly the logits of feeding it token by token.
 - ``prefill``: the context is processed with full attention in one step and compressed once to the budget; the
-  continuation is then fed token by token under eviction (``step_size = 1``). The first continuation token is
+  continuation is then fed token by token under eviction (the stream protocol). The first continuation token is
   predicted by the full-attention pass, so one-token answers (Yes/No, correct/incorrect) score exactly as under
   ``full``: use ``stream`` for multiple-choice tasks; ``prefill`` suits generation (decoding under eviction).
 
@@ -178,9 +178,10 @@ class KVSieveLM(TemplateLM):
         return tokens if tokens < length - 1 else None
 
     def _cache(self, budget: int | None) -> SieveCache:
+        """A cache for requests under ``budget`` (None: the full cache); streamed under the ``stream`` protocol."""
         if budget is None:
             return make_cache(self.model, "full", None)
-        return make_cache(self.model, self.policy, budget, **self.policy_kwargs)
+        return make_cache(self.model, self.policy, budget, stream=self.protocol == "stream", **self.policy_kwargs)
 
     def _fit(self, context: list[int], room: int) -> list[int]:
         """``context`` without its oldest tokens if it and ``room`` more tokens exceed the model's positions."""
@@ -244,21 +245,20 @@ class KVSieveLM(TemplateLM):
         """``(log-probability, is_greedy)`` of each continuation after its context, all requests under ``budget``
         (None = the full cache) with this model's protocol.
 
-        Each distinct context is fed once (left-padded batch; ``step_size = 1`` under ``stream``, one step under
+        Each distinct context is fed once (left-padded batch; the stream protocol under ``stream``, one step under
         ``prefill``), the cache rows are then copied for every continuation of that context, and the continuations
-        (right-padded) are fed with ``step_size = 1``.
+        (right-padded) are streamed.
         """
         contexts: dict[tuple[int, ...], int] = {}
         owner = [contexts.setdefault(tuple(c), len(contexts)) for c, _ in pairs]
         conts = [k for _, k in pairs]
         cache = self._cache(budget)
-        cache.step_size = 1 if budget is not None and self.protocol == "stream" else None
         first, mask = self._forward(cache, [list(c) for c in contexts], None, keep=1)
         rows = [first[o] for o in owner]
         if max(len(k) for k in conts) > 1:
             cache.batch_select_indices(torch.tensor(owner, device=self.model.device))
-            cache.step_size = None if budget is None else 1
-            rest, _ = self._forward(cache, [k[:-1] for k in conts], mask[owner])
+            with cache.streaming(budget is not None):
+                rest, _ = self._forward(cache, [k[:-1] for k in conts], mask[owner])
             rows = [torch.cat([row, rest[i, : len(k) - 1]]) for i, (row, k) in enumerate(zip(rows, conts, strict=True))]
         results = []
         for row, k in zip(rows, conts, strict=True):
@@ -318,7 +318,6 @@ class KVSieveLM(TemplateLM):
         self, prompts: list[list[int]], budget: int | None, until: list[str], max_new: int, kwargs: dict[str, Any]
     ) -> list[str]:
         cache = self._cache(budget)
-        cache.step_size = 1 if self.protocol == "stream" and budget is not None else None
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.model.device)

@@ -58,23 +58,22 @@ def stream_logits(
     """Feed ``ids`` (``[B, n]``) through ``cache`` one token at a time; yield ``(offset, logits [B, c, V])``.
 
     ``engine="decode"`` runs one forward pass per token. ``engine="whole"`` runs a few long forward passes with the
-    cache's ``step_size`` set to 1, so each layer performs the per-token cache work internally: the same logits
-    (the "stream" protocol), many times faster.
+    cache streaming (:meth:`~kvsieve.engine.cache.SieveCache.streaming`), so each layer performs the per-token cache
+    work internally: the same logits (the "stream" protocol), many times faster.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     chunk = WHOLE_CHUNK if engine == "whole" else 1
-    previous, cache.step_size = cache.step_size, 1
-    try:
-        with tqdm(
+    with (
+        cache.streaming(),
+        tqdm(
             total=ids.shape[1], desc=f"{cache.policy_name} {engine}", unit="tok", disable=not progress, leave=False
-        ) as bar:
-            for start in range(0, ids.shape[1], chunk):
-                logits = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
-                bar.update(logits.shape[1])
-                yield start, logits
-    finally:
-        cache.step_size = previous
+        ) as bar,
+    ):
+        for start in range(0, ids.shape[1], chunk):
+            logits = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
+            bar.update(logits.shape[1])
+            yield start, logits
 
 
 @torch.inference_mode()

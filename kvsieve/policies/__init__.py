@@ -1,40 +1,29 @@
-"""Eviction policies, one file each, registered by name."""
+"""Eviction policies, one file each: a ``@register``-decorated subclass of :class:`Policy`, and its module's name
+in :data:`MODULES` (in the order ``kvsieve policies`` lists them)."""
 
 from __future__ import annotations
 
-from kvsieve.policies.ahakv import AhaKV
-from kvsieve.policies.base import NoParams, Observation, Policy, Slots
-from kvsieve.policies.fixed import Fixed
-from kvsieve.policies.full import Full
-from kvsieve.policies.h2o import H2O
-from kvsieve.policies.knorm import KNorm
-from kvsieve.policies.local import Local
-from kvsieve.policies.random import Random
-from kvsieve.policies.scissorhands import Scissorhands
-from kvsieve.policies.snapkv import SnapKV
-from kvsieve.policies.streaming_llm import StreamingLLM
-from kvsieve.policies.strided import Strided
-from kvsieve.policies.topk_oracle import TopKOracle
-from kvsieve.policies.tova import TOVA
+import importlib
 
-REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (
-        Full,
-        Local,
-        StreamingLLM,
-        H2O,
-        Scissorhands,
-        AhaKV,
-        Strided,
-        Fixed,
-        Random,
-        TOVA,
-        SnapKV,
-        KNorm,
-        TopKOracle,
-    )
-}
+from kvsieve.policies.base import REGISTRY, NoParams, Observation, Policy, Slots
+
+MODULES = (
+    "full",
+    "local",
+    "streaming_llm",
+    "h2o",
+    "scissorhands",
+    "ahakv",
+    "strided",
+    "fixed",
+    "random",
+    "tova",
+    "snapkv",
+    "knorm",
+    "topk_oracle",
+)
+for _module in MODULES:
+    importlib.import_module(f"{__name__}.{_module}")  # (each module registers its policy)
 
 
 def get_policy(name: str | type[Policy]) -> type[Policy]:
@@ -47,4 +36,4 @@ def get_policy(name: str | type[Policy]) -> type[Policy]:
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(REGISTRY)}") from None
 
 
-__all__ = ["REGISTRY", "NoParams", "Observation", "Policy", "Slots", "get_policy"]
+__all__ = ["MODULES", "REGISTRY", "NoParams", "Observation", "Policy", "Slots", "get_policy"]

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import Observation, Policy, Slots, recent_mask
+from kvsieve.policies.base import (
+    SCORE_STATE,
+    Observation,
+    Policy,
+    Slots,
+    in_position_order,
+    protect,
+    recent_mask,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -36,17 +45,18 @@ def step_gain_probs(obs: Observation, budget: int) -> torch.Tensor:
 def value_prior(slots: Slots, kernel: int) -> torch.Tensor:
     """``[B, H, N]`` γ̄: per (row, head), ``ν = ||V||²`` average-pooled over the real tokens in position order (a
     centred window of ``kernel`` tokens, truncated at the ends), divided by its maximum; 0 for empty slots."""
-    real = slots.pos >= 0
-    order = slots.pos.argsort(dim=-1)  # empty slots (-1) first, then the tokens by position
-    nu = (slots.values.float().square().sum(dim=-1) * real).gather(-1, order)
-    count = real.gather(-1, order).float()
-    shape = nu.shape
-    pool = [F.avg_pool1d(t.reshape(-1, 1, shape[-1]), kernel, 1, kernel // 2).reshape(shape) for t in (nu, count)]
-    gamma = pool[0] / pool[1].clamp(min=1e-6) * count
-    gamma = gamma / gamma.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(gamma.dtype).tiny)
-    return torch.empty_like(gamma).scatter_(-1, order, gamma)
+    real = (slots.pos >= 0).float()
+
+    def pooled(nu: torch.Tensor, count: torch.Tensor) -> torch.Tensor:  # (empty slots first, then by position)
+        shape = nu.shape
+        pool = [F.avg_pool1d(t.reshape(-1, 1, shape[-1]), kernel, 1, kernel // 2).reshape(shape) for t in (nu, count)]
+        return pool[0] / pool[1].clamp(min=1e-6) * count
+
+    gamma = in_position_order(slots.pos, pooled, slots.values.float().square().sum(dim=-1) * real, real)
+    return gamma / gamma.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(gamma.dtype).tiny)
 
 
+@register
 class AhaKV(Policy):
     """AhaKV: adaptive holistic attention — unbiased accumulated attention plus a value prior.
 
@@ -82,7 +92,6 @@ class AhaKV(Policy):
 
     name = "ahakv"
     paper = "Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction, 2025 (arXiv:2506.03762)"
-    needs_attention = True
     observes_all_slots = True  # the value prior is normalised over all the slots held at the step
     Params = AhaKVParams
 
@@ -98,7 +107,7 @@ class AhaKV(Policy):
         self.recent = recent
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"score": ((), torch.float32)}
+        return SCORE_STATE
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         p = self.params
@@ -111,4 +120,4 @@ class AhaKV(Policy):
         slots.state["score"] += gain
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        return slots.state["score"].masked_fill(recent_mask(slots, self.recent), float("inf"))
+        return protect(slots.state["score"], recent_mask(slots.pos, slots.last, self.recent))

@@ -3,21 +3,26 @@
 A policy decides, independently for every (batch row, KV head) of one layer, which cached tokens to keep. The
 engine owns the storage (slots) and calls the policy at each forward step of that layer:
 
-1. ``observe(slots, obs)`` — only for policies with ``needs_attention = True``: an :class:`Observation` of the
-   step's queries over all slots (fp32 probabilities with the query heads of a GQA group summed, the scaled
-   logits per query head, the attention mask), possibly in several blocks of query rows. Policies accumulate
-   whatever statistics they need into their per-slot state.
+1. ``observe(slots, obs)`` — an :class:`Observation` of the step's queries over the slots (the model's attention
+   probabilities with the query heads of a GQA group summed, the scaled logits per query head, the mask), possibly
+   in several blocks of query rows. Policies accumulate whatever statistics they need into their per-slot state.
+   Only a policy that overrides ``observe`` (or ``narrow``) makes the engine compute probabilities at all.
 2. ``n_keep(n)`` — how many slots to keep after the step, given ``n`` slots now (``n`` includes the new tokens).
-3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot, floating point or integer (a priority
-   built from positions alone need not be converted); the engine keeps the ``n_keep`` highest (``+inf``, or the
-   largest integer, = protected). Empty and padding slots are never kept in place of real tokens.
+3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot, floating point or integer; the engine keeps
+   the ``n_keep`` highest (``+inf``, or :data:`PROTECTED`, = kept). Empty and padding slots are never kept in place
+   of real tokens.
 
-A policy with ``needs_attention`` and ``narrows = True`` may also ``narrow(logits, allowed)`` the keys each query
-head attends to; ``topk_oracle`` does.
+A policy that overrides ``narrow(logits, allowed)`` restricts the keys each query head attends to (``topk_oracle``).
+A :class:`PositionalPolicy` gives priorities from positions alone (``priority(pos, last)``): every layer with the
+same policy then evicts the same slots, and the engine decides once per step for all of them. A
+:class:`SinkWindow` (``local``, ``streaming_llm``) keeps the first ``sinks`` tokens and the newest others: what a
+query sees when tokens arrive one at a time is known in closed form, so the stream protocol attends whole chunks.
 
 Per-slot state is declared by ``state_spec`` and stored by the engine next to the keys (slot dimension 2), so it
 moves with its token when slots are evicted, compacted or reordered. New slots start at zero, or at what
 ``initial_state`` gives them.
+
+A new policy is one file in this package with a :func:`register`-decorated subclass.
 """
 
 from __future__ import annotations
@@ -26,13 +31,28 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 PROTECTED = torch.iinfo(torch.long).max
 """The priority of a protected slot in an integer priority (one built from positions)."""
+SCORE_STATE: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"score": ((), torch.float32)}
+"""The per-slot state of policies that accumulate one fp32 score per token."""
+
+REGISTRY: dict[str, type[Policy]] = {}
+"""Registered policies by name (filled by :func:`register` as the policy modules are imported)."""
+P = TypeVar("P", bound="type[Policy]")
+
+
+def register(cls: P) -> P:
+    """Class decorator: register a policy under its ``name``."""
+    if cls.name in REGISTRY:
+        raise ValueError(f"a policy named {cls.name!r} is already registered ({REGISTRY[cls.name].__qualname__})")
+    REGISTRY[cls.name] = cls
+    return cls
 
 
 @dataclass(frozen=True)
@@ -119,38 +139,33 @@ class Observation:
 
 
 class Policy:
-    """Base class: keeps the most recent tokens (the ``local`` rule); subclasses refine it.
-
-    Subclasses set ``name``, ``paper``, ``Params`` (a dataclass of their parameters) and override what they need.
-    One instance serves one cache layer and knows that layer's ``budget`` (``None`` = unbounded).
-    """
+    """Base class. Subclasses set ``name``, ``paper``, ``Params`` (a dataclass of their parameters) and override what
+    they need. One instance serves one cache layer and knows that layer's ``budget`` (``None`` = unbounded)."""
 
     name: ClassVar[str]
     paper: ClassVar[str] = ""
-    needs_attention: ClassVar[bool] = False
-    """Whether the policy needs the attention probabilities (policies that do not never pay for computing them)."""
+    Params: ClassVar[type] = NoParams
     bounded: ClassVar[bool] = True
     """Whether the policy enforces a budget (``full`` does not)."""
     row_additive: ClassVar[bool] = False
     """Whether observing query rows together in one step leaves the same state as observing them one step each
     (when nothing is evicted in between). The stream protocol then feeds the tokens that fit before the first
-    eviction as one chunk. Policies without ``needs_attention`` never observe and are chunked anyway."""
-    stream_closed_form: ClassVar[bool] = False
-    """Whether the kept set depends on positions only, so that :meth:`stream_visible` gives in closed form what each
-    query sees when tokens are fed one at a time (the stream protocol then attends a whole chunk in one step)."""
+    eviction as one chunk. Policies that do not observe are chunked anyway."""
     observes_all_slots: ClassVar[bool] = False
     """Whether :meth:`observe` needs every slot even for a block of prompt rows that can see only the slots before
     its own last token (otherwise the engine computes and observes just those: the rest would get zero)."""
-    positional: ClassVar[bool] = False
-    """Whether :meth:`keep_scores` depends on the slots' positions (``pos``, ``last``) and the policy's parameters
-    only, never on keys, values or state: every layer with the same policy, parameters and budget then holds the same
-    positions and evicts the same slots, and the engine computes that decision once per step for all of them."""
+    needs_attention: ClassVar[bool] = False
+    """Inferred: whether the policy overrides :meth:`observe` or :meth:`narrow` (only then does the engine compute
+    attention probabilities)."""
     narrows: ClassVar[bool] = False
-    """Whether :meth:`narrow` restricts the keys each query head attends to (only then is it called)."""
-    attention_budget: ClassVar[bool] = False
-    """Whether an unbounded policy still takes a budget, as the number of keys each query attends to
-    (``topk_oracle``): it keeps every token but may :meth:`narrow` the attention."""
-    Params: ClassVar[type] = NoParams
+    """Inferred: whether the policy overrides :meth:`narrow`."""
+    positional: ClassVar[bool] = False
+    """Whether priorities come from positions alone (true of a :class:`PositionalPolicy`, by type)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.narrows = cls.narrow is not Policy.narrow
+        cls.needs_attention = cls.narrows or cls.observe is not Policy.observe
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         self.params = self.Params() if params is None else params
@@ -163,8 +178,26 @@ class Policy:
 
     @classmethod
     def takes_budget(cls) -> bool:
-        """Whether the policy uses a budget (bounded, or an attention budget)."""
-        return cls.bounded or cls.attention_budget
+        """Whether the policy uses a budget: to bound the cache, or (unbounded and narrowing, ``topk_oracle``) as
+        the number of keys each query attends to."""
+        return cls.bounded or cls.narrows
+
+    @classmethod
+    def info(cls) -> dict[str, Any]:
+        """What ``kvsieve policies`` lists: name, paper, summary, default parameters, what the policy needs."""
+        return {
+            "name": cls.name,
+            "paper": cls.paper,
+            "needs_attention": cls.needs_attention,
+            "bounded": cls.bounded,
+            "saves_memory": cls.bounded,
+            "takes_budget": cls.takes_budget(),
+            "params": {
+                f.name: (f.default if f.default is not dataclasses.MISSING else None)
+                for f in dataclasses.fields(cls.Params)
+            },
+            "summary": (cls.__doc__ or "").strip().splitlines()[0],
+        }
 
     def setup(self) -> None:
         """Validate the parameters against the budget and derive the budget split (raise ValueError)."""
@@ -198,42 +231,61 @@ class Policy:
         return {}
 
     def observe(self, slots: Slots, obs: Observation) -> None:
-        """Accumulate statistics from one block of query rows (called only when ``needs_attention``)."""
+        """Accumulate statistics from one block of query rows (override it to get probabilities at all)."""
 
     def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """``[B, H, G, b, N]`` bool: the slots each query head attends to (called only when ``needs_attention`` and
-        ``narrows``).
+        """``[B, H, G, b, N]`` bool: the slots each query head attends to (override it to narrow at all).
 
-        ``logits`` ``[B, H, G, b, N]`` are the fp32 scaled logits, ``allowed`` ``[B, H, b, N]`` the engine's mask
+        ``logits`` ``[B, H, G, b, N]`` are the scaled logits, ``allowed`` ``[B, H, b, N]`` the engine's mask
         (causality, padding, window); the result must be a subset of it. Default: ``allowed`` unchanged (a view).
         """
         return allowed[:, :, None]
-
-    def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-        """``[B, H, b, N]``: whether the query at ``query_pos`` ``[B, b]`` still sees the token at ``key_pos``
-        ``[B, H, N]`` (both ≥ 0) when tokens are fed one at a time (only with ``stream_closed_form``).
-
-        Default (the ``local`` rule): the query at ``i`` sees ``i - budget .. i`` (the ``budget`` kept tokens and
-        itself)."""
-        return key_pos[:, :, None, :] >= query_pos[:, None, :, None] - self.budget
 
     def n_keep(self, n: int) -> int:
         """Slots to keep after a step that left ``n`` slots."""
         return min(n, self.budget) if self.bounded else n
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        """``[B, H, N]`` priority of each slot (higher = kept). Default: recency (the positions themselves)."""
-        return slots.pos
+        """``[B, H, N]`` priority of each slot (higher = kept); called when a step leaves more than ``n_keep``."""
+        raise NotImplementedError(f"{self.name} keeps everything: it has no priorities")
 
-    def describe(self) -> dict[str, Any]:
-        """Name, paper, parameters with their values, and whether attention probabilities are needed."""
-        return {
-            "name": self.name,
-            "paper": self.paper,
-            "needs_attention": self.needs_attention,
-            "budget": self.budget,
-            "params": dataclasses.asdict(self.params),
-        }
+
+class PositionalPolicy(Policy):
+    """A policy whose priorities are a function of the slots' positions alone (``pos``, ``last``), never of keys,
+    values or state: every layer with the same policy, parameters and budget holds the same positions and evicts the
+    same slots, so the engine decides once per step for all of them."""
+
+    positional = True
+
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N]`` priorities of the slots at positions ``pos`` ``[B, H, N]`` (-1 = empty) when each row's
+        newest position is ``last`` ``[B]``."""
+        raise NotImplementedError
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return self.priority(slots.pos, slots.last)
+
+
+class SinkWindow(PositionalPolicy):
+    """Keeps the first ``sinks`` real tokens of each row and the newest others (the ``local`` window: no sinks).
+
+    What a query sees when tokens are fed one at a time is known in closed form (:meth:`stream_visible`), so the
+    stream protocol attends whole chunks of tokens at once."""
+
+    sinks = 0
+    """The first positions always kept (set by subclasses in ``setup``)."""
+
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        # padding (position -1) falls under the sinks here, but the engine never keeps it over real tokens
+        return pos.masked_fill(pos < self.sinks, PROTECTED) if self.sinks else pos
+
+    def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, H, b, N]``: whether the query at ``query_pos`` ``[B, b]`` sees the token at ``key_pos``
+        ``[B, H, N]`` (both ≥ 0) when tokens are fed one at a time: the sinks and ``i - (budget - sinks) .. i``
+        (the kept tokens and itself)."""
+        kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]
+        visible = kp >= qp - (self.budget - self.sinks)
+        return visible | (kp < self.sinks) if self.sinks else visible
 
 
 _BOOL_TEXT = {"true": True, "1": True, "false": False, "0": False}
@@ -295,19 +347,35 @@ def parse_param(policy: str, name: str, kind: Any, value: Any) -> Any:
         raise ValueError(f"invalid value {value!r} for {policy} parameter {name!r} (expected {expected})") from None
 
 
-def recent_mask(slots: Slots, recent: int) -> torch.Tensor:
-    """``[B, H, N]`` True for the ``recent`` newest real tokens of each row, for ``keep_scores``.
+def recent_mask(pos: torch.Tensor, last: torch.Tensor, recent: int) -> torch.Tensor:
+    """``[B, H, N]`` True for the ``recent`` newest real tokens of each row (slots at positions ``pos``, each row's
+    newest position ``last``).
 
     Padding slots (position -1) are marked too while a row has seen fewer than ``recent`` tokens: the engine never
     keeps padding over real tokens, whatever its priority."""
-    return slots.pos > (slots.last - recent).view(-1, 1, 1)
+    return pos > (last - recent).view(-1, 1, 1)
+
+
+def protect(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``priority`` with the slots of ``mask`` always kept (``+inf``, or :data:`PROTECTED` for an integer one)."""
+    return priority.masked_fill(mask, float("inf") if priority.is_floating_point() else PROTECTED)
+
+
+def in_position_order(pos: torch.Tensor, fn: Callable[..., torch.Tensor], *values: torch.Tensor) -> torch.Tensor:
+    """``fn`` applied to ``values`` (``[B, H, N]`` each) laid out in position order along the slots (empty slots
+    first), its ``[B, H, N]`` result put back in slot order: for rules over neighbouring positions."""
+    order = pos.argsort(dim=-1, stable=True)
+    result = fn(*(v.gather(-1, order) for v in values))
+    return torch.empty_like(result).scatter_(-1, order, result)
 
 
 def rank_newer_first(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``[B, H, N]`` rank of each slot by ``score`` (0 = lowest), equal scores ranked by position (newer higher):
     a priority for ``keep_scores`` whose ties do not depend on the slot layout."""
-    order = pos.argsort(dim=-1, stable=True)
-    ranking = score.gather(-1, order).argsort(dim=-1, stable=True)
-    ranks = torch.arange(score.shape[-1], device=score.device).expand_as(ranking)
-    ranks = torch.empty_like(ranking).scatter_(-1, ranking, ranks)
-    return torch.empty_like(score).scatter_(-1, order, ranks.to(score.dtype))
+
+    def rank(sorted_score: torch.Tensor) -> torch.Tensor:
+        ranking = sorted_score.argsort(dim=-1, stable=True)
+        ranks = torch.arange(score.shape[-1], device=score.device).expand_as(ranking)
+        return torch.empty_like(ranking).scatter_(-1, ranking, ranks).to(score.dtype)
+
+    return in_position_order(pos, rank, score)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots
+from kvsieve.policies.base import PositionalPolicy, register
 from kvsieve.policies.strided import pattern_scores
 
 
@@ -19,7 +19,8 @@ class FixedParams:
     ``l`` = 128 to 256)."""
 
 
-class Fixed(Policy):
+@register
+class Fixed(PositionalPolicy):
     """Keeps the tokens of the current block plus the last ``summary`` tokens of every earlier block, newest first.
 
     Child et al., "Generating Long Sequences with Sparse Transformers", 2019 (arXiv:1904.10509), the fixed pattern,
@@ -38,7 +39,6 @@ class Fixed(Policy):
     name = "fixed"
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (arXiv:1904.10509)"
     Params = FixedParams
-    positional = True
 
     def setup(self) -> None:
         p = self.params
@@ -49,8 +49,8 @@ class Fixed(Policy):
         if not 1 <= self.summary <= self.block:
             raise ValueError(f"fixed: summary must be in [1, block={self.block}], got {self.summary}")
 
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        start = slots.last.div(self.block, rounding_mode="floor") * self.block
-        current = slots.pos >= start[:, None, None]
-        summary = slots.pos % self.block >= self.block - self.summary
-        return pattern_scores(slots, current, summary)
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        start = last.div(self.block, rounding_mode="floor") * self.block
+        current = pos >= start[:, None, None]
+        summary = pos % self.block >= self.block - self.summary
+        return pattern_scores(pos, last, current, summary)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from kvsieve.policies.base import Policy
+from kvsieve.policies.base import Policy, register
 
 
+@register
 class Full(Policy):
     """Keeps the whole KV cache: no budget, no eviction. The budget argument is ignored.
 

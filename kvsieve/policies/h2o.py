@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from kvsieve.policies.base import Observation, Policy, Slots, recent_mask
+from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+@register
 class H2O(Policy):
     """Heavy-Hitter Oracle: keep the tokens that received the most attention, plus the most recent ones.
 
@@ -65,7 +66,6 @@ class H2O(Policy):
 
     name = "h2o"
     paper = "Zhang et al., H2O: Heavy-Hitter Oracle, NeurIPS 2023 (arXiv:2306.14048)"
-    needs_attention = True
     row_additive = True
     Params = H2OParams
 
@@ -84,7 +84,7 @@ class H2O(Policy):
         self.heavy = self.budget - recent
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"score": ((), torch.float32)}
+        return SCORE_STATE
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         if self.params.transform == "identity":
@@ -100,4 +100,4 @@ class H2O(Policy):
         score = slots.state["score"]
         if self.params.normalize:
             score = score / (slots.age + 1)
-        return score.masked_fill(recent_mask(slots, self.recent), float("inf"))
+        return protect(score, recent_mask(slots.pos, slots.last, self.recent))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import PROTECTED, Policy, Slots, recent_mask
+from kvsieve.policies.base import Policy, Slots, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,7 @@ class KNormParams:
     """Newest tokens never evicted (0, the paper's rule: none)."""
 
 
+@register
 class KNorm(Policy):
     """Keeps the ``budget`` tokens whose cached keys have the lowest L2 norm (plus the ``recent`` newest).
 
@@ -51,5 +52,5 @@ class KNorm(Policy):
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         priority = slots.state["priority"]
         if self.params.recent:
-            priority = priority.masked_fill(recent_mask(slots, self.params.recent), PROTECTED)
+            priority = protect(priority, recent_mask(slots.pos, slots.last, self.params.recent))
         return priority

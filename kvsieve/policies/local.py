@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from kvsieve.policies.base import Policy
+from kvsieve.policies.base import SinkWindow, register
 
 
-class Local(Policy):
+@register
+class Local(SinkWindow):
     """Keeps the ``budget`` most recent tokens of each row; the oldest is evicted first.
 
     The "local"/window-attention baseline of the H2O and StreamingLLM papers. It is known to collapse once the first
@@ -13,6 +14,4 @@ class Local(Policy):
     """
 
     name = "local"
-    stream_closed_form = True
-    positional = True
     paper = "Beltagy et al., Longformer, 2020 (window attention baseline in H2O / StreamingLLM)"

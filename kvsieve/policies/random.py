@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, recent_mask
+from kvsieve.policies.base import PositionalPolicy, protect, recent_mask, register
 
 _U32 = 0xFFFFFFFF
 
@@ -47,7 +47,8 @@ def uniform_draws(base: torch.Tensor, step: torch.Tensor, pos: torch.Tensor) -> 
     return x.to(torch.float64) / 2.0**32
 
 
-class Random(Policy):
+@register
+class Random(PositionalPolicy):
     """Evicts uniformly at random among the tokens outside the ``recent`` newest.
 
     A sanity baseline (the "random" eviction of the H2O and Scissorhands ablations). At every step with eviction,
@@ -63,16 +64,14 @@ class Random(Policy):
     name = "random"
     paper = "uniform random eviction (baseline in H2O, Zhang et al. 2023, arXiv:2306.14048)"
     Params = RandomParams
-    positional = True
 
     def setup(self) -> None:
         self.base: torch.Tensor | None = None
         if not 0 <= self.params.recent <= self.budget:
             raise ValueError(f"random: recent must be in [0, budget={self.budget}], got {self.params.recent}")
 
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        heads, device = slots.pos.shape[1], slots.pos.device
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        heads, device = pos.shape[1], pos.device
         if self.base is None or self.base.shape[1] != heads or self.base.device != device:
             self.base = head_hashes(self.params.seed, heads, device)  # computed once per layer layout
-        draws = uniform_draws(self.base, slots.last, slots.pos)
-        return draws.masked_fill(recent_mask(slots, self.params.recent), float("inf"))
+        return protect(uniform_draws(self.base, last, pos), recent_mask(pos, last, self.params.recent))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import Observation, Policy, Slots, recent_mask
+from kvsieve.policies.base import Observation, Policy, Slots, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class ScissorhandsParams:
     """Tokens dropped per compression ``m``; default ``max(1, budget // 2)`` (the paper's experiments: B/2)."""
 
 
+@register
 class Scissorhands(Policy):
     """Scissorhands: keep the pivotal tokens, i.e. drop those that keep getting below-average attention.
 
@@ -52,7 +53,6 @@ class Scissorhands(Policy):
 
     name = "scissorhands"
     paper = "Liu et al., Scissorhands: Persistence of Importance, NeurIPS 2023 (arXiv:2305.17118)"
-    needs_attention = True
     row_additive = True
     Params = ScissorhandsParams
 
@@ -92,4 +92,4 @@ class Scissorhands(Policy):
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         count = slots.state["low"].sum(dim=-1)
         score = (slots.pos - count * (slots.last[:, None, None] + 1)).double()  # fewest marks first, then newest
-        return score.masked_fill(recent_mask(slots, self.recent), float("inf"))
+        return protect(score, recent_mask(slots.pos, slots.last, self.recent))

@@ -7,7 +7,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import Observation, Policy, Slots, rank_newer_first, recent_mask
+from kvsieve.policies.base import (
+    SCORE_STATE,
+    Observation,
+    Policy,
+    Slots,
+    in_position_order,
+    protect,
+    rank_newer_first,
+    recent_mask,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -21,11 +31,14 @@ class SnapKVParams:
 
 def pool_by_position(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
     """``[B, H, N]``: each slot's max of ``score`` over the ``kernel`` slots around it in position order."""
-    order = pos.argsort(dim=-1, stable=True)
-    pooled = F.max_pool1d(score.gather(-1, order).reshape(-1, 1, score.shape[-1]), kernel, 1, kernel // 2)
-    return torch.empty_like(score).scatter_(-1, order, pooled.view_as(score))
+
+    def pool(ordered: torch.Tensor) -> torch.Tensor:
+        return F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
+
+    return in_position_order(pos, pool, score)
 
 
+@register
 class SnapKV(Policy):
     """Keeps the ``window`` newest tokens plus the tokens the observation window attends to most, max-pooled.
 
@@ -45,7 +58,6 @@ class SnapKV(Policy):
 
     name = "snapkv"
     paper = "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation, NeurIPS 2024 (arXiv:2404.14469)"
-    needs_attention = True
     Params = SnapKVParams
 
     def setup(self) -> None:
@@ -57,14 +69,14 @@ class SnapKV(Policy):
             raise ValueError(f"snapkv: kernel must be a positive odd number, got {p.kernel}")
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"score": ((), torch.float32)}
+        return SCORE_STATE
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         observing = obs.query_pos > (slots.last[:, None] - self.window)
         slots.state["score"] += (obs.probs * observing[:, None, :, None]).sum(dim=2)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        protected = recent_mask(slots, self.window)
+        protected = recent_mask(slots.pos, slots.last, self.window)
         score = slots.state["score"].masked_fill(protected | (slots.pos < 0), float("-inf"))
         pooled = pool_by_position(score, slots.pos, self.params.kernel)
-        return rank_newer_first(pooled, slots.pos).masked_fill(protected, float("inf"))
+        return protect(rank_newer_first(pooled, slots.pos), protected)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvsieve.policies.base import PROTECTED, Policy, Slots
+from kvsieve.policies.base import SinkWindow, register
 
 
 @dataclass(frozen=True)
@@ -15,7 +13,8 @@ class StreamingLLMParams:
     """Number of first tokens always kept (the paper uses 4)."""
 
 
-class StreamingLLM(Policy):
+@register
+class StreamingLLM(SinkWindow):
     """Keeps the first ``sink`` tokens of each row plus the ``budget - sink`` most recent ones.
 
     Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024 (arXiv:2309.17453).
@@ -26,8 +25,6 @@ class StreamingLLM(Policy):
     name = "streaming_llm"
     paper = "Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024 (arXiv:2309.17453)"
     Params = StreamingLLMParams
-    stream_closed_form = True
-    positional = True
 
     def setup(self) -> None:
         sink = self.params.sink
@@ -35,13 +32,4 @@ class StreamingLLM(Policy):
             raise ValueError(f"streaming_llm: sink must be >= 0, got {sink}")
         if sink >= self.budget:
             raise ValueError(f"streaming_llm: sink ({sink}) must be smaller than the budget ({self.budget})")
-        self.recent = self.budget - sink
-
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        # padding (position -1) falls under the sinks here, but the engine never keeps it over real tokens
-        return slots.pos.masked_fill(slots.pos < self.params.sink, PROTECTED)
-
-    def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
-        """The sinks and ``i - recent .. i``."""
-        kp, qp = key_pos[:, :, None, :], query_pos[:, None, :, None]
-        return (kp < self.params.sink) | (kp >= qp - self.recent)
+        self.sinks = sink

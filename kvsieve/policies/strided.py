@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import PROTECTED, Policy, Slots, recent_mask
+from kvsieve.policies.base import PositionalPolicy, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -17,15 +17,18 @@ class StridedParams:
     """Period of the kept earlier positions; default the local window (Child et al. use one length ``l`` for both)."""
 
 
-def pattern_scores(slots: Slots, protected: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+def pattern_scores(
+    pos: torch.Tensor, last: torch.Tensor, protected: torch.Tensor, candidate: torch.Tensor
+) -> torch.Tensor:
     """Priorities of a static pattern fitted to a budget: ``protected`` tokens first, then the pattern's other
     ``candidate`` tokens newest first, then the remaining tokens newest first (they only fill a budget the pattern
     leaves free). Integer priorities (positions), so no conversion."""
-    others = slots.pos - (slots.last[:, None, None] + 1)  # negative: below every candidate
-    return torch.where(candidate, slots.pos, others).masked_fill(protected, PROTECTED)
+    others = pos - (last[:, None, None] + 1)  # negative: below every candidate
+    return protect(torch.where(candidate, pos, others), protected)
 
 
-class Strided(Policy):
+@register
+class Strided(PositionalPolicy):
     """Keeps a local window of the newest tokens plus every ``stride``-th earlier position, newest first.
 
     Child et al., "Generating Long Sequences with Sparse Transformers", 2019 (arXiv:1904.10509), the strided
@@ -46,7 +49,6 @@ class Strided(Policy):
     name = "strided"
     paper = "Child et al., Generating Long Sequences with Sparse Transformers, 2019 (arXiv:1904.10509)"
     Params = StridedParams
-    positional = True
 
     def setup(self) -> None:
         p = self.params
@@ -57,5 +59,5 @@ class Strided(Policy):
         if self.stride < 1:
             raise ValueError(f"strided: stride must be >= 1, got {self.stride}")
 
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        return pattern_scores(slots, recent_mask(slots, self.recent), slots.pos % self.stride == 0)
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return pattern_scores(pos, last, recent_mask(pos, last, self.recent), pos % self.stride == 0)

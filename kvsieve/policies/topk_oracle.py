@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvsieve.policies.base import Policy
+from kvsieve.policies.base import Policy, register
 
 
+@register
 class TopKOracle(Policy):
     """Reference only, saves NO memory: keeps every token, and each query attends to its ``budget`` best keys.
 
@@ -22,11 +23,8 @@ class TopKOracle(Policy):
 
     name = "topk_oracle"
     paper = "top-k attention oracle (Gupta et al., Memory-efficient Transformers via Top-k Attention, arXiv:2106.06899)"
-    needs_attention = True
     row_additive = True
-    narrows = True
     bounded = False
-    attention_budget = True
 
     def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         allowed = allowed[:, :, None]

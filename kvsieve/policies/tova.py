@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Observation, Policy, Slots
+from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, register
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,7 @@ class TOVAParams:
     tokens. True: each KV head keeps its own tokens, scored by its GQA group's attention."""
 
 
+@register
 class TOVA(Policy):
     """Keeps the ``budget`` tokens with the highest attention from the newest query; no accumulation.
 
@@ -31,12 +32,11 @@ class TOVA(Policy):
 
     name = "tova"
     paper = "Oren et al., Transformers are Multi-State RNNs, 2024 (arXiv:2401.06104)"
-    needs_attention = True
     row_additive = True
     Params = TOVAParams
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"score": ((), torch.float32)}
+        return SCORE_STATE
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         last = obs.probs[:, :, -1]  # the block's last query; the step's last block is observed last

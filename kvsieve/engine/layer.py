@@ -1,0 +1,411 @@
+"""One layer of a :class:`~kvsieve.engine.cache.SieveCache`: the step that runs at every forward pass.
+
+A step (one forward pass of ``q`` tokens through a layer) is:
+
+1. ``get_mask_sizes`` (asked by transformers' masking utilities) claims the mask built next: a
+   :class:`~kvsieve.engine.attention.SieveMask` (the padding mask and the layer's window), not a dense one;
+2. ``update`` takes the new K/V and hands the layer over to the attention function;
+3. ``attend`` (called by the attention function once it has checked every argument the model passes) cuts the
+   step into chunks (:mod:`kvsieve.engine.stream`; one, but for the stream protocol), and for each: **store** the
+   tokens in the layer's slots (:mod:`kvsieve.engine.storage`) with their positions from the padding mask,
+   **attend** over the slots (:mod:`kvsieve.engine.slot_attention`), let the policy **observe** the probabilities
+   (only if it asks for them), **evict** down to the policy's ``n_keep``: at a decode step the victim's slot goes
+   stale and the next token is written into it (no copy of the cache); several victims are removed by one gather
+   into buffers of ``budget + 1`` slots, which frees the prompt-sized ones.
+
+Speculative decoding (assisted generation, prompt lookup): ``activate_past_recording`` makes the layer feed the
+tokens after a prompt one at a time, as decode steps, and keep them with the state before the first of them, until
+``crop`` commits them or rolls the rejected ones back exactly (state restored, the accepted tokens fed again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
+from kvsieve.engine.plan import PolicyPlan, StepMemo
+from kvsieve.engine.rope import Rotary, ranks
+from kvsieve.engine.slot_attention import AttentionArgs, Visibility, fused_attention, observed_attention
+from kvsieve.engine.storage import SlotStore
+from kvsieve.engine.stream import plan_chunks
+from kvsieve.policies import Policy, Slots
+
+
+@dataclass
+class Chunk:
+    """Tokens of a step: queries ``[B, Hq, c, D]``, keys and values ``[B, H, c, D]``, validity ``[B, c]``."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    padding: torch.Tensor | None
+
+    def __getitem__(self, span: slice) -> Chunk:
+        return Chunk(
+            self.query[:, :, span],
+            self.keys[:, :, span],
+            self.values[:, :, span],
+            None if self.padding is None else self.padding[:, span],
+        )
+
+
+@dataclass
+class Recording:
+    """A recording layer's state before its recorded tokens, and those tokens (see :meth:`SieveLayer.crop`)."""
+
+    store: SlotStore
+    newest: torch.Tensor
+    tokens_seen: int
+    tokens: list[tuple[Chunk, AttentionArgs]] = field(default_factory=list)
+
+
+class SieveLayer(CacheLayerMixin):
+    """One layer of a :class:`SieveCache` (see the module docstring)."""
+
+    is_compileable = False
+    is_croppable = True  # what activate_past_recording() records, crop() rolls back exactly
+    supports_early_init = False  # the policy (and its state) is known only at the first update
+
+    def __init__(self, plan: PolicyPlan, memo: StepMemo, layer_idx: int, is_sliding: bool = False) -> None:
+        self.store: SlotStore | None = None
+        super().__init__()
+        self.plan, self.memo = plan, memo
+        self.layer_idx = layer_idx
+        self.is_sliding = is_sliding
+        self.policy: Policy | None = None
+        self.newest: torch.Tensor | None = None  # [B] position of each row's newest real token (-1: none yet)
+        self.tokens_seen = 0  # padding included: positions of the model are derived from it
+        self.eviction_rounds = 0  # never reset, so never reused (positional layers share decisions by round)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.streaming = False
+        self.rotary: Rotary | None = None
+        self.prompt_tokens: int | None = None  # the first step's prompt length, if given (set_prompt_length)
+        self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
+        self.recording: Recording | None = None
+
+    # -- transformers' layer contract ---------------------------------------------------------------------------
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The key buffer ``[B, H, capacity, D]`` (None before the first step)."""
+        return None if self.store is None else self.store.keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            self.store.keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The value buffer ``[B, H, capacity, D]`` (None before the first step)."""
+        return None if self.store is None else self.store.values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            self.store.values = value
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        limit = self.policy.budget + 1 if self.policy.bounded else float("inf")
+        self.store = SlotStore.empty(key_states, value_states, self.policy.state_spec(), limit)
+        self.newest = torch.full((key_states.shape[0],), -1, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the step's new K/V; :meth:`attend` (called by the attention function) stores and uses them."""
+        if self.pending is not None:
+            raise UnsupportedModelError(
+                f"layer {self.layer_idx}: the attention of the previous forward step never ran through the kvsieve "
+                "attention (load the model with kvsieve.load_model or use kvsieve.make_cache, which sets "
+                "attn_implementation='kvsieve'); if a forward pass was interrupted, call cache.reset()"
+            )
+        if self.policy is None:
+            prompt = key_states.shape[-2] if self.prompt_tokens is None else self.prompt_tokens
+            self.policy = self.plan.resolve(prompt)[self.layer_idx]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.keys.shape[0]:
+            raise ValueError(
+                f"batch size changed from {self.keys.shape[0]} to {key_states.shape[0]}; use a new cache or reset()"
+            )
+        elif key_states.shape[1] != self.keys.shape[1] or key_states.shape[-1] != self.keys.shape[-1]:
+            raise ValueError(
+                f"layer {self.layer_idx} holds {self.keys.shape[1]} KV heads of dim {self.keys.shape[-1]}, the model "
+                f"gives {key_states.shape[1]} of dim {key_states.shape[-1]}: a cache serves one model; make one for "
+                "this model with kvsieve.make_cache"
+            )
+        self.tokens_seen += key_states.shape[-2]
+        self.pending = (key_states, value_states)
+        hand_over(self, key_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        claim_mask(self.tokens_seen + query_length)
+        return self.tokens_seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (not tokens kept): positions are derived from it."""
+        return self.tokens_seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store = self.newest = self.policy = self.pending = None
+        self.prompt_tokens = self.recording = None
+        self.tokens_seen = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def activate_past_recording(self) -> None:
+        """Record the next steps, so that :meth:`crop` can roll them back (transformers calls it before assisted
+        generation and prompt lookup); each step after the first is then processed one token at a time."""
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens fed since recording began or since the last ``crop``,
+        exactly: the layer returns to its state before the recorded tokens and feeds the tokens that stay again, as
+        it fed them (what their steps evicted is therefore back). ``crop(0)`` commits the recorded tokens."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass minus the number of tokens to remove (transformers' convention)"
+            )
+        recording, tokens = self.recording, -tokens_to_remove
+        recorded = 0 if recording is None else len(recording.tokens)
+        if tokens > recorded:
+            raise ValueError(
+                f"cannot remove the last {tokens} tokens of layer {self.layer_idx}: kvsieve rolls back only the "
+                f"{recorded} token(s) fed after a prompt since cache.activate_past_recording() (transformers calls it "
+                "for assisted generation and prompt lookup) or since the last crop"
+            )
+        self.recording = None
+        if tokens == 0:
+            return
+        replay = recording.tokens[: recorded - tokens]
+        self.store, self.newest = recording.store, recording.newest
+        self.tokens_seen = recording.tokens_seen + len(replay)
+        for offset, (chunk, args) in enumerate(replay):
+            self._step(chunk, args, offset=offset)
+
+    # -- the step -----------------------------------------------------------------------------------------------
+
+    def discard_step(self) -> None:
+        """Forget the step :meth:`update` took (its attention was refused before anything was computed)."""
+        if self.pending is None:
+            return
+        self.tokens_seen -= self.pending[0].shape[-2]
+        self.pending = None
+        if self.tokens_seen == 0:  # nothing was cached yet: back to a fresh layer (a ratio budget resolves again)
+            self.reset()
+            self.plan.reset()
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SieveMask, args: AttentionArgs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the pending step: ``query`` ``[B, Hq, q, D]`` → the output of the same shape and, with
+        ``args.weights``, the attention probabilities ``[B, Hq, q, tokens seen]`` laid out as over a
+        ``DynamicCache`` (column = the token's index in the padded sequence; evicted tokens get 0).
+
+        The step's chunks (:func:`~kvsieve.engine.stream.plan_chunks`) are each stored, attended, observed and
+        evicted before the next. While recording, the tokens after a prompt are kept, with the layer's state before
+        the first of them, until :meth:`crop`.
+        """
+        (new_keys, new_values), self.pending = self.pending, None
+        q = new_keys.shape[2]
+        # The step's first tokens that are a prompt: all of a first step, unless set_prompt_length said fewer.
+        prompt = (q if self.prompt_tokens is None else min(self.prompt_tokens, q)) if self.tokens_seen == q else 0
+        self.prompt_tokens = None
+        chunks = plan_chunks(
+            q,
+            prompt,
+            stream=self.streaming,
+            decode=self.record_past,
+            policy=self.policy,
+            held=self.store.used,
+            rolling=self.rotary is not None,
+        )
+        padding = mask.new_tokens(q)
+        step = Chunk(query, new_keys, new_values, None if padding is None else padding.to(self.device))
+        columns = self._columns(mask.padding) if args.weights else None
+        if not self.record_past:
+            self.recording = None
+        outputs = []
+        for start, end in pairwise(chunks.bounds):
+            chunk = step if len(chunks.bounds) == 2 else step[start:end]  # (a decode step: no slicing)
+            if self.record_past and start >= prompt:  # (a single token: see plan_chunks)
+                if self.recording is None:
+                    self.recording = Recording(self.store.copy(), self.newest.clone(), self.tokens_seen - q + start)
+                self.recording.tokens.append((chunk, args))
+            outputs.append(self._step(chunk, args, chunks.closed_form, start, columns))
+        outs, weights = zip(*outputs, strict=True)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if not args.weights:
+            return out, None
+        return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
+
+    def _step(
+        self,
+        chunk: Chunk,
+        args: AttentionArgs,
+        closed_form: bool = False,
+        offset: int = 0,
+        columns: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk, its tokens starting at index ``offset`` of the step's: store → attend → observe → evict.
+        Returns its output and, with ``args.weights``, its probabilities by column (see :meth:`_columns`)."""
+        store, policy = self.store, self.policy
+        q, heads = chunk.keys.shape[2], chunk.keys.shape[1]
+        if store.stale is not None and q > 1:
+            store.compact()
+        query_pos, self.newest, new_pos = self.memo.share(
+            "positions", (self.tokens_seen, offset, q, heads), lambda: self._positions(chunk.padding, q, heads)
+        )
+        store.may_hold_padding |= chunk.padding is not None
+        keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
+        start = store.append(keys, chunk.values, new_pos, policy.initial_state(keys, new_pos))
+        slots = store.view(self.newest)
+        keys, query = slots.keys, chunk.query
+        if self.rotary is not None:  # keys are stored un-rotated; re-rotated by rank (position rolling)
+            keys, query = self._rolled(slots, query, query_pos, slice(start, start + q))
+        seen = Visibility(
+            restrict=policy.stream_visible if closed_form and q > 1 else None,
+            all_visible=q == 1 and chunk.padding is None and args.window is None and not store.may_hold_padding,
+            causal_tail=not policy.observes_all_slots,  # (the chunk's tokens are the last q slots, in order)
+        )
+        weights = None
+        if policy.needs_attention or args.explicit:
+            observe = (
+                (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs))
+                if policy.needs_attention
+                else None
+            )
+            narrow = policy.narrow if policy.narrows else None
+            out, weights = observed_attention(
+                query, keys, slots.values, slots.pos, query_pos, args, seen, observe, narrow
+            )
+        else:
+            out = fused_attention(query, keys, slots.values, slots.pos, query_pos, args, seen)
+        if weights is not None:
+            weights = _by_column(weights, slots.pos, columns, self.tokens_seen)
+        self._evict(slots)
+        return out, weights
+
+    def _positions(
+        self, padding: torch.Tensor | None, q: int, heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chunk's query positions ``[B, q]`` (-1 = padding), each row's newest position after it ``[B]``, and
+        the positions to store ``[B, heads, q]``: the same in every layer."""
+        if padding is None:  # (a decode step needs no arange)
+            first = self.newest + 1
+            query_pos = first[:, None] if q == 1 else first[:, None] + torch.arange(q, device=self.device)
+            newest = first if q == 1 else self.newest + q
+        else:
+            query_pos = (self.newest[:, None] + padding.cumsum(-1)).masked_fill(~padding, -1)
+            newest = self.newest + padding.sum(-1)
+        return query_pos, newest, query_pos[:, None, :].expand(-1, heads, -1)
+
+    def _rolled(
+        self, slots: Slots, query: torch.Tensor, query_pos: torch.Tensor, new: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys rotated by their rank in the cache, and the queries (slots ``new``) by theirs."""
+        rank = ranks(slots.pos)
+        keys = self.rotary.rotate(slots.keys, rank)
+        query_rank = rank[:, :, new].repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+        return keys, self.rotary.rotate(query, query_rank - query_pos[:, None, :])
+
+    def _evict(self, slots: Slots) -> None:
+        """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
+        self.eviction_rounds += 1
+        store = self.store
+        target = self.policy.n_keep(store.used)
+        if target >= store.used:
+            return
+        group = self.plan.groups[self.layer_idx]
+        chosen = self.memo.decide(group, self.eviction_rounds, lambda: self._choose(slots, target))
+        if store.used - target == 1:
+            store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
+        else:
+            store.keep(chosen)
+        store.settle()
+
+    def _choose(self, slots: Slots, target: int) -> torch.Tensor:
+        """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
+        kept ``[B, H, target]``, in slot order."""
+        scores = self.policy.keep_scores(slots)
+        if self.store.may_hold_padding:
+            lowest = float("-inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).min
+            scores = scores.masked_fill(slots.pos < 0, lowest)
+        if self.store.used - target == 1:
+            return scores.argmin(dim=-1, keepdim=True)
+        return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+    def _columns(self, padding: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, tokens seen]``: the column of each row's token at each position (None: position = column)."""
+        if padding is None:
+            return None
+        if padding.shape[1] != self.tokens_seen:
+            raise ValueError(
+                f"output_attentions with a kvsieve cache needs the attention mask of all {self.tokens_seen} tokens "
+                f"seen, got one of {padding.shape[1]}"
+            )
+        return torch.argsort((~padding).to(torch.uint8), dim=1, stable=True).to(self.device)
+
+    def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.recording = None  # (recorded steps cannot be rolled back across a change of the batch)
+        if self.is_initialized:
+            self.store.map_batch(fn)
+            self.newest = fn(self.newest)
+
+    # -- introspection ------------------------------------------------------------------------------------------
+
+    @property
+    def n_layers(self) -> int:
+        """Layers of the model the cache was made for."""
+        return len(self.plan.layer_policies)
+
+    @property
+    def capacity(self) -> int:
+        """Allocated slots."""
+        return 0 if self.store is None else self.store.capacity
+
+    def held_positions(self) -> torch.Tensor:
+        """``[B, H, tokens held]`` positions of the held tokens, in slot order (-1 = padding)."""
+        if self.store is None:
+            raise ValueError(f"layer {self.layer_idx} holds nothing yet")
+        return self.store.held_positions()
+
+    def kv_nbytes(self) -> int:
+        """Bytes allocated for keys and values."""
+        return 0 if self.store is None else self.store.kv_nbytes()
+
+    def state_nbytes(self) -> int:
+        """Bytes allocated for positions and policy state."""
+        return 0 if self.store is None else self.store.state_nbytes() + self.newest.nbytes
+
+
+def _by_column(weights: torch.Tensor, pos: torch.Tensor, columns: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Slot probabilities ``[B, Hq, b, N]`` laid out by column ``[B, Hq, b, total]`` (0 for tokens not held):
+    ``pos`` ``[B, Hkv, N]`` are the slots' positions, ``columns`` maps positions to columns (None: identity)."""
+    group = weights.shape[1] // pos.shape[1]
+    held = pos.clamp(min=0)
+    col = held if columns is None else columns.gather(1, held.flatten(1)).view_as(pos)
+    col = col.repeat_interleave(group, dim=1)[:, :, None, :].expand_as(weights)
+    real = (pos >= 0).repeat_interleave(group, dim=1)[:, :, None, :]
+    return weights.new_zeros((*weights.shape[:3], total)).scatter_add_(3, col, weights * real)
