@@ -322,12 +322,12 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_analyze(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.analysis import POLICY_ANALYSES
+    from kvsieve.analysis.kept import policy_names
     from kvsieve.analysis.report import run_analysis
-    from kvsieve.policies import get_policy
 
-    options = {"policies": args.policies, "budget": args.budget} if args.analysis in POLICY_ANALYSES else {}
-    for name in options.get("policies", ()):
-        get_policy(name)  # an unknown policy is an error before the model loads
+    options: dict[str, Any] = {}
+    if args.analysis in POLICY_ANALYSES:  # (an unknown policy is an error before the model loads)
+        options = {"policies": policy_names(args.policies), "budget": args.budget}
     text = _text(args)
     model, tokenizer = _load(args)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]

@@ -76,9 +76,10 @@ def test_persistence_ratio_of_a_constructed_pattern() -> None:
     for i, row in enumerate(rows):
         head[i, : len(row)] = torch.tensor(row)
     # Uniform rows: row 4 gives 1/5 < α, so S(4→8) is empty and the ratio undefined.
-    ratio, size = persistence_ratio(torch.stack([head, _uniform(8)]))
+    ratio, early, size = persistence_ratio(torch.stack([head, _uniform(8)]))
     assert ratio[0].item() == pytest.approx(1 / 4)  # {0, 1} ∩ {0, 4, 5, 6}
-    assert math.isnan(ratio[1].item())
+    assert early[0].item() == 1  # ... over the tokens before t: {0}
+    assert math.isnan(ratio[1].item()) and math.isnan(early[1].item())
     assert size.tolist() == [4, 0]
 
 
@@ -199,7 +200,8 @@ def test_cli_powerlaw(capsys, tmp_path) -> None:
 def test_cli_persistence(capsys, tmp_path) -> None:
     result = _analyze(capsys, tmp_path, "persistence")
     assert (result["t"], result["map_layer"]) == (32, 15)
-    assert len(result["ratio"]) == 30 and all(0 <= r <= 1 for r in result["ratio"])
+    pairs = list(zip(result["ratio"], result["early_ratio"], strict=True))
+    assert len(pairs) == 30 and all(0 <= r <= e <= 1 for r, e in pairs)
 
 
 @pytest.mark.slow

@@ -21,6 +21,13 @@ BINS = 20
 """Position bins of the kept-positions histogram (fewer for a text of fewer tokens)."""
 
 
+def policy_names(policies: Sequence[str]) -> list[str]:
+    """The registered names of ``policies`` (a ``ValueError`` for an unknown one, or for none)."""
+    if not policies:
+        raise ValueError("give at least one policy")
+    return [get_policy(p).name for p in policies]
+
+
 def budget_tokens(budget: Budget, n: int) -> int:
     """``budget`` (tokens or a ratio) in tokens for a text of ``n`` tokens; a ``ValueError`` if nothing would be
     evicted."""
@@ -91,23 +98,19 @@ def positions(
 ) -> PositionsResult:
     """:class:`PositionsResult` of ``ids`` (``[1, n]``) for each policy at ``budget`` (a ratio is of ``n``)."""
     n = require_tokens(ids, 2, "positions")
+    names = policy_names(policies)
     tokens = budget_tokens(budget, n)
     bins = min(BINS, n)
     edges = [-(-b * n // bins) for b in range(bins + 1)]  # ceil(b·n / bins): the first position p·bins // n = b
-    rows, shape = [], (0, 0)
-    for policy in policies:
+    rows = []
+    for policy in names:
         cache = make_cache(model, policy, tokens)
         stream(model, cache, ids, n, progress=progress)
         held = [cache.positions(layer)[0] for layer in range(len(cache.layers))]  # [kv_heads, slots] each
-        shape = (len(held), held[0].shape[0])
         pooled = torch.cat([pos.flatten() for pos in held]).cpu()
-        counts = torch.bincount(pooled * bins // n, minlength=bins)
+        counts = torch.bincount(pooled * bins // n, minlength=bins).tolist()
         mean = pooled.double().mean().item() / (n - 1)
-        rows.append(
-            KeptPositions(
-                policy=get_policy(policy).name, counts=counts.tolist(), kept=pooled.numel(), mean_position=mean
-            )
-        )
+        rows.append(KeptPositions(policy=policy, counts=counts, kept=pooled.numel(), mean_position=mean))
     scores = binned = None
     if any(get_policy(p).needs_attention for p in policies):
         per_position = torch.stack(map_layers(model, ids, lambda _, w: accumulated(w), progress)).mean(0).cpu()
@@ -117,8 +120,8 @@ def positions(
     return PositionsResult(
         tokens=n,
         budget_tokens=tokens,
-        layers=shape[0],
-        kv_heads=shape[1],
+        layers=len(held),
+        kv_heads=held[0].shape[0],
         bin_edges=edges,
         policies=rows,
         accumulated=scores,
@@ -195,8 +198,9 @@ def recall(
 ) -> RecallResult:
     """:class:`RecallResult` of ``ids`` (``[1, n]``) for each policy at ``budget`` (a ratio is of ``n``)."""
     n = require_tokens(ids, 2, "recall")
+    names = policy_names(policies)
     tokens = budget_tokens(budget, n)
-    held = [held_steps(model, make_cache(model, p, tokens), ids, tokens, progress) for p in policies]
+    held = [held_steps(model, make_cache(model, p, tokens), ids, tokens, progress) for p in names]
     per_layer = map_layers(
         model,
         ids,
@@ -204,7 +208,7 @@ def recall(
         progress,
     )
     steps = torch.stack(per_layer).double()  # [layers, policies, decode steps]
-    rows = [_policy_recall(get_policy(policy).name, steps[:, p]) for p, policy in enumerate(policies)]
+    rows = [_policy_recall(policy, steps[:, p]) for p, policy in enumerate(names)]
     return RecallResult(tokens=n, budget_tokens=tokens, first_step=tokens, policies=rows)
 
 

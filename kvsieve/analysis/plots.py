@@ -60,9 +60,10 @@ def plot_persistence(result: PersistenceResult, path: str | Path, title: str = "
     from matplotlib.colors import LogNorm
 
     fig, (ax_ratio, ax_map) = pyplot().subplots(1, 2, figsize=(12, 5))
-    ax_ratio.plot(range(len(result.ratio)), result.ratio, marker="o")
+    ax_ratio.plot(range(len(result.ratio)), result.ratio, marker="o", label="|S(0→t) ∩ S(t→l)| / |S(t→l)|")
+    ax_ratio.plot(range(len(result.ratio)), result.early_ratio, marker="s", label="over the tokens before t")
     ax_ratio.set_xlabel("layer")
-    ax_ratio.set_ylabel("|S(0→t) ∩ S(t→l)| / |S(t→l)|")
+    ax_ratio.set_ylabel("persistence ratio")
     ax_ratio.set_ylim(0, 1.02)
     ax_ratio.set_title(f"persistence ratio (t = {result.t}, α = 1/t), mean over heads", fontsize=9)
     image = ax_map.imshow(result.attention_map.clamp(min=1e-6), cmap="magma", norm=LogNorm(vmin=1e-4, vmax=1))

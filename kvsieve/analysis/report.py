@@ -90,13 +90,14 @@ def _powerlaw(r: dict[str, Any]) -> list[str]:
 
 
 def _persistence(r: dict[str, Any]) -> list[str]:
-    rows = list(zip(range(len(r["ratio"])), r["ratio"], r["important"], strict=True))
+    rows = list(zip(range(len(r["ratio"])), r["ratio"], r["early_ratio"], r["important"], strict=True))
     return [
         f"t = {r['t']}, α = 1/t = {r['alpha']:.4f}. Of the tokens important (attention ≥ α) to some query in the "
-        f"second half, {r['mean_ratio']:.1%} were already important to some query in the first half (mean over "
-        f"layers and heads). Heat map: layer {r['map_layer']}, head {r['map_head']}.",
+        f"second half, {r['mean_ratio']:.1%} were already important to some query in the first half; of those "
+        f"before t, {r['mean_early_ratio']:.1%} (means over layers and heads). Heat map: layer {r['map_layer']}, "
+        f"head {r['map_head']}.",
         "",
-        *_table(["layer", "persistence ratio", "tokens in S(t→l)"], rows),
+        *_table(["layer", "persistence ratio", "ratio before t", "tokens in S(t→l)"], rows),
     ]
 
 
