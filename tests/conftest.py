@@ -1,8 +1,10 @@
-"""Shared fixtures: tiny random models (Llama MHA/GQA, Gemma 3 with sliding layers), the real default model, real
-text. Nothing may reach the Hugging Face Hub: offline mode is set before transformers is imported."""
+"""Shared fixtures: tiny random models (Llama MHA/GQA, Gemma 3 with sliding layers) in any dtype, the real default
+model and its tokenizer, real text. Nothing may reach the Hugging Face Hub: offline mode is set before transformers
+is imported. A test that loads the real model is marked ``slow``."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 
@@ -15,6 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 from transformers import (
+    AutoTokenizer,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
@@ -25,6 +28,9 @@ from transformers import (
 from transformers.cache_utils import Cache
 
 import kvsieve
+from kvsieve.models import ensure_model
+
+pytest.register_assert_rewrite("policy_runs")  # the shared reference checks keep pytest's assertion messages
 
 TINY_VOCAB = 128
 GEMMA_WINDOW = 8
@@ -103,15 +109,49 @@ def gemma3() -> PreTrainedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_models(llama_mha, llama_gqa, gemma3) -> Callable[[str, torch.dtype], PreTrainedModel]:
+    """``(name, dtype) -> model``: a tiny model in ``dtype``, converted from the fp32 one once per session.
+
+    Shared like the fp32 fixtures: a test that changes a model (its attention implementation, its config) changes a
+    copy of its own.
+    """
+    base = {"llama_mha": llama_mha, "llama_gqa": llama_gqa, "gemma3": gemma3}
+    made: dict[tuple[str, torch.dtype], PreTrainedModel] = {}
+
+    def get(name: str, dtype: torch.dtype) -> PreTrainedModel:
+        if (name, dtype) not in made:
+            made[name, dtype] = base[name] if dtype == torch.float32 else copy.deepcopy(base[name]).to(dtype)
+        return made[name, dtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def real_model() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The default model (SmolLM2-135M, fp32, CPU) and its tokenizer."""
+    """The default model (SmolLM2-135M, fp32, CPU) and its tokenizer (a test using it is marked ``slow``)."""
     return kvsieve.load_model("smollm2-135m", device="cpu")
 
 
 @pytest.fixture(scope="session")
-def tokenizer(real_model) -> PreTrainedTokenizerBase:
-    """The default model's tokenizer."""
-    return real_model[1]
+def tokenizer() -> PreTrainedTokenizerBase:
+    """The default model's tokenizer (it has a pad token: the same as ``load_model`` gives), without the model."""
+    return AutoTokenizer.from_pretrained(ensure_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_factory, tokenizer) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A tiny random Llama (GQA) with the real tokenizer's vocabulary, and that tokenizer."""
+    return tiny_factory("llama_gqa", vocab=len(tokenizer)), tokenizer
+
+
+@pytest.fixture
+def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a model fails the test: the command must stop before."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("kvsieve.models.load_model", refuse)
 
 
 @pytest.fixture(scope="session")

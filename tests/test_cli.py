@@ -65,16 +65,6 @@ def test_bad_budget_is_a_usage_error(capsys, budget, message) -> None:
     assert "argument --budget" in err and message in err
 
 
-@pytest.fixture
-def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loading a model fails the test: the command must stop before."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr("kvsieve.models.load_model", refuse)
-
-
 @pytest.mark.usefixtures("no_model")
 @pytest.mark.parametrize(
     ("argv", "message"),

@@ -351,12 +351,6 @@ def test_4d_mask_and_batch_change_are_rejected(llama_gqa, make_ids) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tiny_factory, tokenizer):
-    """A tiny random Llama with the real tokenizer's vocabulary."""
-    return tiny_factory("llama_gqa", vocab=len(tokenizer)), tokenizer
-
-
 @pytest.mark.parametrize("eos_from", ["generate_kwargs", "generation_config"])
 def test_generate_per_prompt_results_and_eos(tiny_lm, eos_from, monkeypatch) -> None:
     model, tokenizer = tiny_lm

@@ -22,10 +22,10 @@ REQUESTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_factory, tokenizer) -> PreTrainedModel:
-    """A tiny random Llama with the real tokenizer's vocabulary."""
-    return tiny_factory("llama_gqa", vocab=len(tokenizer))
+@pytest.fixture
+def tiny(tiny_lm) -> PreTrainedModel:
+    """The tiny random Llama with the real tokenizer's vocabulary (``tiny_lm``)."""
+    return tiny_lm[0]
 
 
 def _lm(model, tokenizer, **kwargs) -> KVSieveLM:

@@ -6,8 +6,6 @@ they are registered.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -82,11 +80,11 @@ def test_budget_at_least_length_equals_dynamic_cache(model, policy, stream, make
 
 
 @policies
-def test_left_padded_batch_equals_rows_alone(model, policy) -> None:
+def test_left_padded_batch_equals_rows_alone(model_name, policy, tiny_models) -> None:
     # In float64, so that round-off (which differs between a batch and a row alone) cannot decide the near-ties a
     # random model's scores sometimes have. Every token of a row is distinct (permuted prompts, no repeated or pad
     # token generated), so every kept set shows in the logits.
-    model = copy.deepcopy(model).double()
+    model = tiny_models(model_name, torch.float64)
     gen = torch.Generator().manual_seed(2)
     long, short = (3 + torch.randperm(TINY_VOCAB - 3, generator=gen)[None, :n] for n in (20, 13))
     pad = model.config.pad_token_id
@@ -120,10 +118,12 @@ def test_left_padded_batch_equals_rows_alone(model, policy) -> None:
 @policies
 @pytest.mark.parametrize("streamed", [False, True], ids=["one-step", "stream"])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
-def test_row_blocks_change_nothing(model, policy, streamed, padded, stream, make_ids, monkeypatch) -> None:
+def test_row_blocks_change_nothing(
+    model_name, policy, streamed, padded, stream, make_ids, monkeypatch, tiny_models
+) -> None:
     """A prompt attended in blocks of 2 query rows, each over the slots up to its own last token only, leaves the
     same logits, kept tokens and policy state as one block over every slot (float64 model: no near-ties)."""
-    model = copy.deepcopy(model).double()
+    model = tiny_models(model_name, torch.float64)
     prompt = make_ids(2, PROMPT)
     mask = torch.ones_like(prompt)
     if padded:
@@ -162,8 +162,8 @@ def test_deterministic(model, policy, stream, make_ids) -> None:
 
 @policies
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_finite_logits_in_half_precision_with_padding(model, policy, dtype, stream, make_ids) -> None:
-    cast = copy.deepcopy(model).to(dtype)
+def test_finite_logits_in_half_precision_with_padding(model_name, policy, dtype, stream, make_ids, tiny_models) -> None:
+    cast = tiny_models(model_name, dtype)
     mask = torch.ones(2, PROMPT, dtype=torch.long)
     mask[1, :9] = 0
     logits = stream(cast, kvsieve.make_cache(cast, policy, BUDGET), make_ids(2, PROMPT), 16, attention_mask=mask)

@@ -4,33 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-import kvsieve
 from kvsieve.data import builtin_text
 from kvsieve.evaluation.needle import NEEDLE, QUESTION, NeedleCell, build_prompt, plot_needle, run_needle
 
 
-@pytest.fixture(scope="module")
-def smol():
-    return kvsieve.load_model("smollm2-135m")
-
-
-def test_prompt_has_the_needle_at_the_requested_depth_and_about_the_length(smol):
-    _, tok = smol
-    hay = tok(builtin_text(min_chars=20000), add_special_tokens=False).input_ids
+def test_prompt_has_the_needle_at_the_requested_depth_and_about_the_length(tokenizer):
+    hay = tokenizer(builtin_text(min_chars=20000), add_special_tokens=False).input_ids
     for depth in (0.0, 0.5, 1.0):
-        prompt = build_prompt(tok, hay, 300, depth, 12345, offset=100)
+        prompt = build_prompt(tokenizer, hay, 300, depth, 12345, offset=100)
         needle_at = prompt.index(NEEDLE.format(key=12345))
         assert prompt.endswith(QUESTION)
-        assert abs(len(tok(prompt, add_special_tokens=False).input_ids) - 300) <= 4
+        assert abs(len(tokenizer(prompt, add_special_tokens=False).input_ids) - 300) <= 4
         share = needle_at / len(prompt)
         assert abs(share - depth) < 0.1, (depth, share)
     with pytest.raises(ValueError, match="too short"):
-        build_prompt(tok, hay, 20, 0.5, 12345, offset=0)
+        build_prompt(tokenizer, hay, 20, 0.5, 12345, offset=0)
 
 
 @pytest.mark.slow
-def test_full_cache_finds_a_late_needle_and_a_tiny_local_window_loses_an_early_one(smol, tmp_path):
-    model, tok = smol
+def test_full_cache_finds_a_late_needle_and_a_tiny_local_window_loses_an_early_one(real_model, tmp_path):
+    model, tok = real_model
     hay = builtin_text(min_chars=20000)
     found = run_needle(model, tok, hay, lengths=[200], depths=[0.0, 1.0], trials=2, policy="full", progress=False)
     lost = run_needle(model, tok, hay, lengths=[200], depths=[0.0], trials=2, policy="local", budget=16, progress=False)
@@ -41,8 +34,8 @@ def test_full_cache_finds_a_late_needle_and_a_tiny_local_window_loses_an_early_o
     assert png.stat().st_size > 1000
 
 
-def test_bad_grid_arguments_are_rejected(smol):
-    model, tok = smol
+def test_bad_grid_arguments_are_rejected(tiny_lm):
+    model, tok = tiny_lm
     with pytest.raises(ValueError, match="depths"):
         run_needle(model, tok, "text " * 500, lengths=[100], depths=[1.5], progress=False)
     with pytest.raises(ValueError, match="at least one"):

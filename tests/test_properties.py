@@ -12,12 +12,9 @@ Seeded and derandomized (the same examples every run), no example database, a bo
 
 from __future__ import annotations
 
-import copy
 import typing
-from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -64,20 +61,6 @@ def runs(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def models(llama_mha, llama_gqa, gemma3) -> Callable[[str, torch.dtype], PreTrainedModel]:
-    """The tiny models in each dtype (copies made once)."""
-    base = {"llama_mha": llama_mha, "llama_gqa": llama_gqa, "gemma3": gemma3}
-    made: dict[tuple[str, torch.dtype], PreTrainedModel] = {}
-
-    def get(name: str, dtype: torch.dtype) -> PreTrainedModel:
-        if (name, dtype) not in made:
-            made[name, dtype] = base[name] if dtype == torch.float32 else copy.deepcopy(base[name]).to(dtype)
-        return made[name, dtype]
-
-    return get
-
-
 def _feed(model: PreTrainedModel, cache: Any, ids: torch.Tensor, mask: torch.Tensor, steps: torch.Tensor, check):
     """Prefill ``ids`` then feed ``steps`` ``[B, n]`` one at a time; the logits ``[B, L + n, V]``."""
     logits = []
@@ -99,8 +82,8 @@ def _feed(model: PreTrainedModel, cache: Any, ids: torch.Tensor, mask: torch.Ten
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 @given(run=runs())
-def test_invariants_hold_for_any_run(models, run) -> None:
-    model = models(run["model"], run["dtype"])
+def test_invariants_hold_for_any_run(tiny_models, run) -> None:
+    model = tiny_models(run["model"], run["dtype"])
     try:
         cache = kvsieve.make_cache(model, run["policy"], run["budget"], stream=run["stream"], **run["params"])
     except ValueError:

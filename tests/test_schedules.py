@@ -128,12 +128,6 @@ def profiles(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path / "profiles"
 
 
-@pytest.fixture(scope="module")
-def tiny_lm(tiny_factory, tokenizer):
-    """A tiny random Llama with the real tokenizer's vocabulary."""
-    return tiny_factory("llama_gqa", vocab=len(tokenizer)), tokenizer
-
-
 def test_profile_is_measured_once_cached_and_reproducible(tiny_lm, wiki_text, profiles, monkeypatch) -> None:
     model, tokenizer = tiny_lm
     weights = profile(model, tokenizer, text=wiki_text, tokens=128)
