@@ -1,4 +1,5 @@
-"""The command line, through ``kvsieve.cli.main`` (real default model, real text)."""
+"""The command line, through ``kvsieve.cli.main``: listing, usage errors (before any model loads), the commands on
+the real default model and real text (``slow``). Policy parameters (``-p``) are in ``test_params.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvsieve.cli import _policy_kwargs, build_parser, main
+from kvsieve.cli import main
 from kvsieve.evaluation.compare import DEFAULT_POLICIES
 from kvsieve.policies import REGISTRY
 
@@ -26,6 +27,16 @@ def test_policies_lists_every_registered_policy(capsys) -> None:
     for row in rows:
         assert row["needs_attention"] is REGISTRY[row["name"]].needs_attention
         assert row["summary"] and row["paper"]
+
+
+def test_policies_json_lists_memory_saving(capsys) -> None:
+    assert main(["policies", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["policies"]}
+    assert set(rows) == set(REGISTRY)
+    assert rows["topk_oracle"]["saves_memory"] is False and rows["topk_oracle"]["takes_budget"] is True
+    assert rows["full"]["takes_budget"] is False and rows["snapkv"]["saves_memory"] is True
+    assert rows["snapkv"]["params"] == {"window": None, "kernel": 7}
+    assert all(row["paper"] and row["summary"] for row in rows.values())
 
 
 KEYS = {"policy", "budget_tokens", "prompt_tokens", "generated_tokens", "text", "kv_slots_max", "kv_bytes"}
@@ -63,34 +74,6 @@ def test_bad_budget_is_a_usage_error(capsys, budget, message) -> None:
     assert main(["generate", "--budget", budget, "Hello"]) == 2
     err = capsys.readouterr().err
     assert "argument --budget" in err and message in err
-
-
-@pytest.mark.usefixtures("no_model")
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (
-            ["generate", "--policy", "streaming_llm", "-p", "sink=abc", "Hello"],
-            "'abc' for streaming_llm parameter 'sink'",
-        ),
-        (["ppl", "-p", "normalize=maybe"], "'maybe' for h2o parameter 'normalize' (expected true/false)"),
-        (["needle", "-p", "recent=2.5"], "'2.5' for h2o parameter 'recent' (expected an integer or none)"),
-        (["xsum", "-p", "transform=square"], "'square' for h2o parameter 'transform' (expected one of identity, "),
-        (["generate", "--policy", "local", "-p", "sink=4", "Hello"], "policy 'local' has no parameter(s) sink"),
-    ],
-)
-def test_ill_typed_policy_parameter_is_one_line_before_the_model_loads(capsys, argv, message) -> None:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"kvsieve {argv[0]}: error: ") and err.count("\n") == 1
-    assert message in err
-
-
-def test_policy_parameters_are_parsed_by_their_type() -> None:
-    argv = ["generate", "-p", "normalize=FALSE", "-p", "recent=none", "-p", "recent_ratio=1", "-p", "transform=log"]
-    kwargs = _policy_kwargs(build_parser().parse_args(argv))
-    assert kwargs == {"normalize": False, "recent": None, "recent_ratio": 1.0, "transform": "log"}
-    assert type(kwargs["recent_ratio"]) is float
 
 
 NUMBERS = [
@@ -206,11 +189,6 @@ def test_ppl_on_a_text_shorter_than_the_budget_says_so(capsys, tmp_path) -> None
     err = capsys.readouterr().err
     assert "the text has " in err and " tokens and the budget is 64: nothing would be evicted" in err
     assert "prefill must be" not in err
-
-
-def test_invalid_policy_parameter_exits_2(capsys) -> None:
-    assert main(["generate", "--budget", "8", "-p", "recent=9", "Hello"]) == 2
-    assert "recent window (9) is larger than the budget (8)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from lm_eval.api.instance import Instance
-from lm_eval.utils import simple_parse_args_string
 from transformers import PreTrainedModel
 
 import kvsieve
@@ -53,19 +52,6 @@ def _reference(model, context: list[int], continuation: list[int], policy: str, 
         logits = [model(ids[:, :first], past_key_values=cache).logits]
         logits += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(first, ids.shape[1] - 1)]
     return _logprob(torch.cat(logits, dim=1)[0, -len(continuation) :], continuation)
-
-
-def test_model_args_policy_params_are_parsed_by_their_type(tiny, tokenizer) -> None:
-    converted = simple_parse_args_string("normalize=false,recent=none,recent_ratio=1,transform=log")  # as lm-eval does
-    lm = _lm(tiny, tokenizer, policy="h2o", **converted)
-    assert lm.policy_kwargs == {"normalize": False, "recent": None, "recent_ratio": 1.0, "transform": "log"}
-    assert _lm(tiny, tokenizer, policy="h2o", recent="8", normalize="TRUE").policy_kwargs == {
-        "recent": 8,
-        "normalize": True,
-    }
-    for bad in ("normalize=maybe", "recent=2.5", "recent=true"):
-        with pytest.raises(ValueError, match=rf"for h2o parameter '{bad.split('=')[0]}'"):
-            _lm(tiny, tokenizer, policy="h2o", **simple_parse_args_string(bad))
 
 
 def test_full_loglikelihood_equals_plain_forward(tiny, tokenizer) -> None:

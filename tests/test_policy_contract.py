@@ -53,6 +53,11 @@ def test_what_the_engine_infers() -> None:
     }  # fmt: skip
 
 
+def test_only_attention_policies_ask_for_probabilities() -> None:
+    baselines = ("strided", "fixed", "random", "tova", "snapkv", "knorm", "topk_oracle")
+    assert {name for name in baselines if REGISTRY[name].needs_attention} == {"tova", "snapkv", "topk_oracle"}
+
+
 def test_registering_a_second_policy_under_a_name_is_an_error() -> None:
     with pytest.raises(ValueError, match="a policy named 'h2o' is already registered"):
         register(type("Other", (Policy,), {"name": "h2o"}))

@@ -1,0 +1,49 @@
+"""KNorm keeps the tokens with the lowest key norms (checked against an uncompressed run), ties the newer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from policy_runs import run_kept
+from transformers import DynamicCache
+
+from kvsieve.policies import Slots
+from kvsieve.policies.knorm import KNorm, KNormParams
+
+
+@pytest.mark.parametrize("recent", [0, 3])
+def test_knorm_keeps_the_lowest_key_norms(llama_gqa, stream, make_ids, recent) -> None:
+    budget, prompt_len, steps = 8, 20, 10
+    prompt = make_ids(2, prompt_len)
+    kept = run_kept(llama_gqa, "knorm", budget, prompt, steps, stream, recent=recent)
+    full = DynamicCache(config=llama_gqa.config)
+    stream(llama_gqa, full, prompt, steps)  # the same tokens (the stream's decode tokens are seeded)
+    norms = [layer.keys.norm(dim=-1) for layer in full.layers]  # [B, H, L]
+
+    def expected(layer: int, b: int, h: int, last: int) -> set[int]:
+        window = set(range(last - recent + 1, last + 1))
+        # lowest norms first; equal norms (a repeated token: RoPE keeps the norm) newer first
+        earlier = sorted(range(last - recent + 1), key=lambda p: (float(norms[layer][b, h, p]), -p))
+        return window | set(earlier[: budget - recent])
+
+    # after the prompt every layer's keys are those of full attention; later, layer 0's keys still are
+    for layer in range(len(norms)):
+        for b in range(2):
+            for h in range(norms[0].shape[1]):
+                assert kept[0][layer][b][h] == expected(layer, b, h, prompt_len - 1)
+    for step in range(1, steps + 1):
+        last = prompt_len - 1 + step
+        assert [[kept[step][0][b][h] for h in range(2)] for b in range(2)] == [
+            [expected(0, b, h, last) for h in range(2)] for b in range(2)
+        ]
+
+
+def test_knorm_ties_keep_the_newer_token_whatever_the_slot_order() -> None:
+    policy = KNorm(2, KNormParams())
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])  # norms 1, 1, 2
+    for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+        pos = torch.tensor([5, 2, 7])[order].view(1, 1, 3)
+        state = policy.initial_state(keys[order].view(1, 1, 3, 2), pos)  # the priority is set when a token is cached
+        slots = Slots(pos=pos, state=state, last=torch.tensor([7]), keys=keys[order].view(1, 1, 3, 2), values=keys)
+        ranked = policy.keep_scores(slots)[0, 0].argsort(descending=True)
+        assert pos[0, 0, ranked].tolist() == [5, 2, 7]

@@ -1,0 +1,94 @@
+"""Scissorhands against a naive reference of its Algorithm 2 (see ``policy_runs``), and its window on synthetic rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import pytest
+import torch
+from policy_runs import BUDGET, STEPS, Call, Reference, keep_recent_and_best, record, replay
+
+from kvsieve.policies import Observation, Slots
+from kvsieve.policies.scissorhands import Scissorhands
+
+
+class ScissorhandsReference(Reference):
+    """Algorithm 2 with the window kept as {row position: marked} per token."""
+
+    def __init__(self, budget: int, group: int, window: int, recent: int, drop: int) -> None:
+        super().__init__(budget, group)
+        self.window, self.recent, self.drop = window, recent, drop
+        self.marks: dict[int, dict[int, bool]] = defaultdict(dict)
+
+    def row(self, call: Call, b: int, h: int, r: int) -> None:
+        allowed = call.allowed[b][h][r]
+        uniform = self.group / sum(allowed)  # the group-summed probability of a uniform row
+        for s, p in enumerate(call.pos[b][h]):
+            if allowed[s]:
+                self.marks[p][call.query_pos[b][r]] = call.probs[b][h][r][s] < uniform
+
+    def count(self, p: int, last: int) -> int:
+        return sum(marked for q, marked in self.marks[p].items() if q > last - self.window)
+
+    def n_keep(self, n: int) -> int:
+        if n <= self.budget:
+            return n
+        return self.budget if n - self.budget > 1 else n - self.drop
+
+    def keep(self, present: set[int], last: int, n_keep: int) -> set[int]:
+        return keep_recent_and_best(present, last, n_keep, self.recent, key=lambda p: (-self.count(p, last), p))
+
+    def stat(self, p: int, last: int) -> float:
+        return self.count(p, last)
+
+
+@pytest.mark.parametrize(
+    ("params", "window", "recent", "drop"),
+    [
+        ({"window": 4, "recent": 2, "drop": 3}, 4, 2, 3),
+        ({}, 100, 6, 5),
+        ({"window": 7, "recent": 0, "drop": 1}, 7, 0, 1),
+    ],
+    ids=["w4-r2-m3", "defaults", "w7-r0-m1"],
+)
+def test_scissorhands_matches_reference(llama_gqa, stream, monkeypatch, params, window, recent, drop) -> None:
+    run = record(llama_gqa, stream, monkeypatch, "scissorhands", **params)
+    replay(run, partial(ScissorhandsReference, BUDGET, 2, window, recent, drop), lambda state: state["low"].sum(dim=-1))
+    # The prompt is cut to the budget; then the cache grows by one per step and drops `drop` tokens at once.
+    expected = [BUDGET]
+    for _ in range(STEPS):
+        expected.append(expected[-1] + 1 - (drop if expected[-1] == BUDGET else 0))
+    assert run.counts == expected
+
+
+def test_scissorhands_window_forgets_and_young_tokens_count_fewer_rows() -> None:
+    """Synthetic rows (one KV head, G = 2): a mark leaves the count once its row is ``w`` rows old, and rows from
+    before a token existed never count for it."""
+    policy = Scissorhands(4, Scissorhands.make_params(window=2, recent=0, drop=1))
+    pos = torch.tensor([[[0, 1, 2, -1]]])
+    state = {"low": torch.zeros(1, 1, 4, 2, dtype=torch.bool)}
+
+    def step(q: int, probs: list[float]) -> list[int]:
+        slots = Slots(pos=pos, state=state, last=torch.tensor([q]), keys=torch.empty(0), values=torch.empty(0))
+        obs = Observation(
+            probs=torch.tensor(probs).view(1, 1, 1, 4),
+            logits=torch.zeros(1, 1, 2, 1, 4),
+            query_pos=torch.tensor([[q]]),
+            step_rows=1,
+            key_pos=pos,
+        )
+        policy.observe(slots, obs)
+        return state["low"].sum(dim=-1)[0, 0].tolist()
+
+    # Row 1 sees tokens 0, 1 (uniform group share 2/2 = 1): token 0 is below it.
+    assert step(1, [0.5, 1.5, 0.0, 0.0]) == [1, 0, 0, 0]
+    # Row 2 sees 3 tokens (share 2/3): tokens 0 and 2 are below; token 2 has one row, tokens 0, 1 two.
+    assert step(2, [0.2, 1.2, 0.6, 0.0]) == [2, 0, 1, 0]
+    # Row 3: nobody is below; row 1 leaves the window of 2 rows, so token 0 loses its first mark.
+    assert step(3, [0.7, 0.7, 0.7, 0.0]) == [1, 0, 1, 0]
+    assert step(4, [0.7, 0.7, 0.7, 0.0]) == [0, 0, 0, 0]
+    # Decision order: fewest marks kept first, ties keep the newer token.
+    state["low"][0, 0, :3, 0] = torch.tensor([True, False, False])
+    scores = policy.keep_scores(Slots(pos, state, torch.tensor([4]), torch.empty(0), torch.empty(0)))
+    assert scores[0, 0, :3].argsort().tolist() == [0, 1, 2]

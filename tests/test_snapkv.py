@@ -1,0 +1,54 @@
+"""SnapKV against a naive reference applied literally to the captured observations."""
+
+from __future__ import annotations
+
+import pytest
+from policy_runs import Kept, capture, run_kept
+
+from kvsieve.policies.snapkv import SnapKV
+
+
+def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int) -> list[Kept]:
+    """SnapKV applied literally to the captured observations, one position at a time."""
+    score: dict[tuple[int, int, int], dict[int, float]] = {}
+    out: list[Kept] = []
+    for i, (_, pos, obs) in enumerate(calls):
+        layer = i % n_layers
+        if layer == 0:
+            out.append([])
+        rows: Kept = []
+        for b in range(pos.shape[0]):
+            last = int(obs.query_pos[b].max())
+            heads = []
+            for h in range(pos.shape[1]):
+                s = score.setdefault((layer, b, h), {})
+                for slot, p in enumerate(pos[b, h].tolist()):
+                    s.setdefault(p, 0.0)
+                    for r, q in enumerate(obs.query_pos[b].tolist()):
+                        if q > last - window:
+                            s[p] += float(obs.probs[b, h, r, slot])
+                held = sorted(s)
+                if len(held) > budget:
+                    protected = [p for p in held if p > last - window]
+                    others = [p for p in held if p <= last - window]
+                    half = kernel // 2
+                    pooled = {
+                        p: max(s[o] for o in others[max(0, j - half) : j + half + 1]) for j, p in enumerate(others)
+                    }
+                    best = sorted(others, key=lambda p: (pooled[p], p), reverse=True)[: budget - len(protected)]
+                    for p in set(others) - set(best):
+                        del s[p]
+                heads.append(set(s))
+            rows.append(heads)
+        out[-1].append(rows)
+    return out
+
+
+@pytest.mark.parametrize(("kwargs", "window", "kernel"), [({}, 6, 7), ({"window": 3, "kernel": 3}, 3, 3)])
+def test_snapkv_matches_naive_reference(llama_gqa, stream, make_ids, monkeypatch, kwargs, window, kernel) -> None:
+    calls = capture(monkeypatch, SnapKV)
+    budget, steps = 12, 10
+    kept = run_kept(llama_gqa, "snapkv", budget, make_ids(2, 30), steps, stream, **kwargs)
+    assert kept == _naive_snapkv(calls, budget, window, kernel, len(kept[0]))
+    # the prompt's selection is not just the newest tokens
+    assert any(min(s) < 30 - budget for layer in kept[0] for row in layer for s in row)
