@@ -42,6 +42,7 @@ def test_policies_json_lists_memory_saving(capsys) -> None:
 KEYS = {"policy", "budget_tokens", "prompt_tokens", "generated_tokens", "text", "kv_slots_max", "kv_bytes"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["Hello", "The city lies on the river, and its old town is known for " * 3])
 def test_generate(capsys, prompt) -> None:
     out = _run_json(capsys, "generate", "--max-new-tokens", "8", "--budget", "16", prompt)
@@ -54,6 +55,7 @@ def test_generate(capsys, prompt) -> None:
     assert out["kv_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_ppl(capsys) -> None:
     out = _run_json(capsys, "ppl", "--max-tokens", "96", "--budget", "32", "--policy", "h2o")
     assert out["tokens_scored"] == 95
@@ -182,6 +184,7 @@ def test_a_closed_stdout_is_no_traceback() -> None:
     assert proc.returncode == 1 and "BrokenPipeError" not in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_ppl_on_a_text_shorter_than_the_budget_says_so(capsys, tmp_path) -> None:
     text = tmp_path / "short.txt"
     text.write_text("A short text.")

@@ -1,4 +1,4 @@
-"""The engine on the real default model (SmolLM2-135M) and real Wikipedia text."""
+"""The engine on the real default model (SmolLM2-135M) and real Wikipedia text (all ``slow``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from transformers import DynamicCache
 
 import kvsieve
 from kvsieve.policies import REGISTRY
+
+pytestmark = pytest.mark.slow
 
 PREFILL, DECODE = 300, 30
 
@@ -34,7 +36,6 @@ def dynamic_logits(real_model, wiki_ids) -> torch.Tensor:
     return _teacher_forced(model, DynamicCache(config=model.config), wiki_ids, PREFILL)
 
 
-@pytest.mark.slow
 def test_full_equals_dynamic_cache(real_model, wiki_ids, dynamic_logits) -> None:
     model, tokenizer = real_model
     cache = kvsieve.make_cache(model, "full")
@@ -80,7 +81,6 @@ def test_left_padded_batch_generation_equals_prompts_alone(real_model, wiki_text
         assert batch.generated_tokens[i] == alone.generated_tokens[0]
 
 
-@pytest.mark.slow
 def test_h2o_slots_stay_within_budget_through_200_decode_steps(real_model, wiki_ids, stream) -> None:
     model = real_model[0]
     budget = 32

@@ -80,6 +80,7 @@ def test_list_builtin_models() -> None:
         ensure_model("nope")
 
 
+@pytest.mark.slow
 def test_smollm2_builtin() -> None:
     model, tokenizer = load_model("smollm2-135m", device="cpu", attn_implementation="sdpa")
     assert type(model).__name__ == "LlamaForCausalLM"

@@ -120,6 +120,7 @@ def test_whole_sequence_equals_token_by_token_on_the_real_model(policy, real_mod
         torch.testing.assert_close(whole, decode, atol=REAL_ATOL.get(policy, 1e-4), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_stream_perplexity_engines_agree_and_report(real_model, tokenizer, wiki_text):
     model, _ = real_model
     ids = tokenizer(wiki_text, return_tensors="pt").input_ids[:, :160]
