@@ -99,7 +99,8 @@ def test_recall_rows_counts_what_each_query_could_see() -> None:
     torch.testing.assert_close(recall_of, torch.tensor([[1, 1, 1, 0.6], [1, 1, 1, 0.75]]))
 
 
-def test_map_layers_gives_the_eager_attention_and_restores_the_implementation(llama_gqa, make_ids) -> None:
+def test_map_layers_gives_the_eager_attention_and_restores_the_implementation(tiny_factory, make_ids) -> None:
+    llama_gqa = tiny_factory("llama_gqa")  # (its own copy: the test switches its attention implementation)
     ids = make_ids(1, 12)
     before = llama_gqa.config._attn_implementation
     maps = map_layers(llama_gqa, ids, lambda layer, w: (layer, w.clone()))
@@ -235,7 +236,7 @@ def test_cli_prints_the_markdown_summary(capsys, tmp_path) -> None:
     assert "model smollm2-135m" in out and str(tmp_path / "entropy.md") in out
 
 
-def test_cli_unknown_policy_fails_before_loading(capsys, monkeypatch) -> None:
-    monkeypatch.setattr("kvsieve.models.load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+@pytest.mark.usefixtures("no_model")
+def test_cli_unknown_policy_fails_before_loading(capsys) -> None:
     assert main(["analyze", "recall", "--policies", "h2o", "nope", "--json"]) == 2
     assert "nope" in json.loads(capsys.readouterr().out)["error"]
