@@ -102,7 +102,7 @@ class PowerLawResult(Result):
 def powerlaw(model: PreTrainedModel, ids: torch.Tensor, progress: bool = False) -> PowerLawResult:
     """:class:`PowerLawResult` of ``ids`` (``[1, n]``)."""
     require_tokens(ids, 3, "powerlaw")
-    per_layer = torch.stack(map_layers(model, ids, lambda _, w: accumulated(w), progress))  # [layers, n]
+    per_layer = torch.stack(map_layers(model, ids, lambda _, w: accumulated(w), progress)).cpu()  # [layers, n]
     fits = [fit_power_law(row) for row in per_layer]
     mean = per_layer.mean(0)
     exponent, r2 = fit_power_law(mean)
@@ -142,7 +142,7 @@ class EntropyResult(Result):
 def entropy(model: PreTrainedModel, ids: torch.Tensor, progress: bool = False) -> EntropyResult:
     """:class:`EntropyResult` of ``ids`` (``[1, n]``, ``n >= 2``)."""
     n = require_tokens(ids, 2, "entropy")
-    per_layer = torch.stack(map_layers(model, ids, lambda _, w: row_entropy(w), progress)).double()  # [layers, n]
+    per_layer = torch.stack(map_layers(model, ids, lambda _, w: row_entropy(w), progress)).cpu().double()  # [layers, n]
     uniform = torch.arange(1, n + 1, dtype=torch.float64).log()
     ratio = (per_layer[:, 1:] / uniform[1:]).mean(-1)
     return EntropyResult(
