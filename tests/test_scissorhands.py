@@ -9,6 +9,7 @@ import pytest
 import torch
 from policy_runs import BUDGET, STEPS, Call, Reference, keep_recent_and_best, record, replay
 
+import kvsieve
 from kvsieve.policies import Observation, Slots
 from kvsieve.policies.scissorhands import Scissorhands
 
@@ -92,3 +93,35 @@ def test_scissorhands_window_forgets_and_young_tokens_count_fewer_rows() -> None
     state["low"][0, 0, :3, 0] = torch.tensor([True, False, False])
     scores = policy.keep_scores(Slots(pos, state, torch.tensor([4]), torch.empty(0), torch.empty(0)))
     assert scores[0, 0, :3].argsort().tolist() == [0, 1, 2]
+
+
+def test_a_short_row_of_a_padded_batch_compresses_as_if_alone(tiny_models) -> None:
+    """Rows of 1, 2 and 6 tokens at budget 4: each row compresses when its own count reaches B + 1 (the batch's
+    slots are shared, so a row that keeps fewer tokens holds an empty slot) and gives the logits it gives alone."""
+    model = tiny_models("llama_mha", torch.float64)
+    lengths, steps = [1, 2, 6], 8
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.stack([3 + torch.randperm(125, generator=gen)[: 6 + steps] for _ in lengths])
+    mask = torch.ones(3, 6, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, : 6 - length] = 0
+    caches = [kvsieve.make_cache(model, "scissorhands", 4) for _ in lengths]
+    with torch.inference_mode():
+        cache = kvsieve.make_cache(model, "scissorhands", 4)
+        ids, full_mask, logits = tokens[:, :6], mask, []
+        for t in range(steps + 1):
+            logits.append(model(ids, attention_mask=full_mask, past_key_values=cache).logits)
+            ids = tokens[:, 6 + t : 7 + t]
+            full_mask = torch.cat([full_mask, full_mask.new_ones(3, 1)], dim=1)
+        batch = torch.cat(logits, dim=1)
+        for row, (length, alone) in enumerate(zip(lengths, caches, strict=True)):
+            row_ids, row_logits = tokens[row : row + 1, 6 - length : 6], []
+            for t in range(steps + 1):
+                row_logits.append(model(row_ids, past_key_values=alone).logits)
+                row_ids = tokens[row : row + 1, 6 + t : 7 + t]
+            expected = torch.cat(row_logits, dim=1)[0]
+            torch.testing.assert_close(batch[row, 6 - length :], expected, atol=1e-5, rtol=1e-5)
+            held = cache.positions(0)[row]
+            assert torch.equal(
+                held[held >= 0].view(held.shape[0], -1).sort(-1).values, alone.positions(0)[0].sort(-1).values
+            )

@@ -333,28 +333,49 @@ class SieveLayer(CacheLayerMixin):
     def _evict(self, slots: Slots) -> None:
         """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
         self.eviction_rounds += 1
-        store = self.store
-        target = self.policy.n_keep(store.used)
+        store, policy = self.store, self.policy
+        target, rows = policy.n_keep(store.used), None
+        if policy.counts_rows and store.may_hold_padding:  # each row's target from its own count of tokens
+            rows = [policy.n_keep(count) for count in (slots.pos[:, 0] >= 0).sum(dim=-1).tolist()]
+            target = max(rows)
         if target >= store.used:
             return
-        group = self.plan.groups[self.layer_idx]
-        chosen = self.memo.decide(group, self.eviction_rounds, lambda: self._choose(slots, target))
-        if store.used - target == 1:
-            store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
-        else:
+        if rows is not None:
+            chosen, evicted = self._choose_per_row(slots, rows, target)
             store.keep(chosen)
+            store.positions[:, :, :target].masked_fill_(evicted, -1)  # (holes where a row keeps fewer)
+        else:
+            group = self.plan.groups[self.layer_idx]
+            chosen = self.memo.decide(group, self.eviction_rounds, lambda: self._choose(slots, target))
+            if store.used - target == 1:
+                store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
+            else:
+                store.keep(chosen)
         store.settle()
 
-    def _choose(self, slots: Slots, target: int) -> torch.Tensor:
-        """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
-        kept ``[B, H, target]``, in slot order."""
+    def _scores(self, slots: Slots) -> torch.Tensor:
+        """The policy's priorities, padding and empty slots lowest."""
         scores = self.policy.keep_scores(slots)
         if self.store.may_hold_padding:
             lowest = float("-inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).min
             scores = scores.masked_fill(slots.pos < 0, lowest)
+        return scores
+
+    def _choose(self, slots: Slots, target: int) -> torch.Tensor:
+        """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
+        kept ``[B, H, target]``, in slot order."""
+        scores = self._scores(slots)
         if self.store.used - target == 1:
             return scores.argmin(dim=-1, keepdim=True)
         return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+    def _choose_per_row(self, slots: Slots, rows: list[int], target: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``target`` best slots ``[B, H, target]`` in slot order, and which of them go all the same ``[B, H,
+        target]`` because their row keeps only its ``rows[b]`` best."""
+        best = self._scores(slots).topk(target, dim=-1).indices  # best first
+        beyond = torch.arange(target, device=best.device) >= torch.tensor(rows, device=best.device)[:, None, None]
+        chosen, order = best.sort(dim=-1)
+        return chosen, beyond.expand_as(best).gather(-1, order)
 
     def _columns(self, padding: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, tokens seen]``: the column of each row's token at each position (None: position = column)."""

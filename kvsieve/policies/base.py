@@ -161,11 +161,16 @@ class Policy:
     """Inferred: whether the policy overrides :meth:`narrow`."""
     positional: ClassVar[bool] = False
     """Whether priorities come from positions alone (true of a :class:`PositionalPolicy`, by type)."""
+    counts_rows: ClassVar[bool] = False
+    """Inferred: whether the policy overrides :meth:`n_keep` (its target is not simply ``min(n, budget)``). The rows
+    of a left-padded batch hold different numbers of tokens, so the engine then applies ``n_keep`` to each row's
+    own count, as if the row were alone."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.narrows = cls.narrow is not Policy.narrow
         cls.needs_attention = cls.narrows or cls.observe is not Policy.observe
+        cls.counts_rows = cls.n_keep is not Policy.n_keep
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         self.params = self.Params() if params is None else params
@@ -242,7 +247,7 @@ class Policy:
         return allowed[:, :, None]
 
     def n_keep(self, n: int) -> int:
-        """Slots to keep after a step that left ``n`` slots."""
+        """Tokens to keep after a step that left a row ``n`` tokens."""
         return min(n, self.budget) if self.bounded else n
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
