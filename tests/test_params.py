@@ -13,7 +13,8 @@ import pytest
 from lm_eval.utils import simple_parse_args_string
 
 import kvsieve
-from kvsieve.cli import _policy_kwargs, build_parser, main
+from kvsieve.cli import build_parser, main
+from kvsieve.cli.commands import _policy_kwargs
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV

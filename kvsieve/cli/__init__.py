@@ -1,0 +1,110 @@
+"""The ``kvsieve`` command line. Every command prints a readable result, or JSON with ``--json``; an error is one
+line on stderr, or one JSON object on stdout with ``--json``.
+
+``parser`` builds the arguments, ``commands`` runs them, this module prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvsieve.cli.commands import COMMANDS
+from kvsieve.cli.parser import UsageError, build_parser
+from kvsieve.fetch import FetchError
+
+__all__ = ["build_parser", "main"]
+
+
+def _print_human(command: str, result: dict[str, Any]) -> None:
+    if command == "compare":
+        from kvsieve.evaluation.compare import CompareRow, format_table
+
+        print(f"model {result['model']}, budget {result['budget']}")
+        print(format_table([CompareRow(**row) for row in result["rows"]]))
+    elif command == "policies":
+        for row in result["policies"]:
+            flag = "needs attention" if row["needs_attention"] else "no attention needed"
+            params = ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"
+            memory = "" if row["saves_memory"] else "  [keeps every token: saves no memory]"
+            print(f"{row['name']:<14} {flag:<20} params: {params}{memory}")
+            print(f"{'':14} {row['summary']}\n{'':14} {row['paper']}")
+    elif command == "generate":
+        print(result["text"])
+        print(
+            f"\n[{result['policy']}: budget {result['budget_tokens']} tokens, prompt {result['prompt_tokens']}, "
+            f"generated {result['generated_tokens']}, max slots {result['kv_slots_max']}, "
+            f"KV {result['kv_bytes'] / 2**20:.2f} MiB]",
+            file=sys.stderr,
+        )
+    elif command == "needle":
+        print(f"passkey retrieval, {result['policy']} at budget {result['budget']} (exact match)")
+        for cell in result["cells"]:
+            print(f"  length {cell['length']:>6}  depth {cell['depth']:>5.0%}  {cell['correct']}/{cell['trials']}")
+    elif command == "bench":
+        from kvsieve.benchmarks.report import format_report
+
+        print(format_report(result))
+    elif command == "sweep":
+        print(result["table"])
+        print(f"{result['computed']} cell(s) computed; outputs:", *result["files"].values(), sep="\n  ")
+    elif command == "analyze":
+        from kvsieve.analysis.report import markdown
+
+        print(markdown(result))
+        print("wrote", *result["files"].values(), sep="\n  ")
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+
+
+def _report(err: Exception, prog: str, as_json: bool) -> int:
+    """Print ``err`` as one JSON object on stdout, or one line on stderr; the exit status."""
+    if as_json:
+        print(json.dumps({"error": str(err), "type": type(err).__name__}))
+    else:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def _reported_errors() -> tuple[type[Exception], ...]:
+    """The errors a command reports without a traceback (bad input, missing files, no network, model support)."""
+    from kvsieve.engine.attention import UnsupportedModelError
+
+    return (ValueError, OSError, FetchError, UnsupportedModelError)
+
+
+def _run(argv: list[str], as_json: bool) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        if not as_json:
+            err.parser.print_usage(sys.stderr)
+        return _report(err, err.parser.prog, as_json)
+    try:
+        result = COMMANDS[args.command](args)
+    except Exception as err:
+        if not isinstance(err, _reported_errors()):
+            raise
+        return _report(err, f"kvsieve {args.command}", as_json)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_human(args.command, result)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; errors are one line on stderr, or one JSON object on stdout with ``--json``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv, as_json="--json" in argv and argv[:1] != ["lm-eval"])
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of stdout has gone (`kvsieve policies | head -2`). As the Python docs recommend, point stdout at
+        # devnull so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code

@@ -1,0 +1,261 @@
+"""The ``kvsieve`` commands: each takes the parsed arguments and returns its result as a dict (printed as text, or
+as JSON with ``--json``). Heavy modules are imported inside the commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``-p`` parameters checked and typed by ``--policy``'s ``Params``: called before any model loads."""
+    from kvsieve.policies import get_policy
+
+    return get_policy(args.policy).parse_params(**dict(args.param))
+
+
+def _load(args: argparse.Namespace):
+    from kvsieve.models import load_model
+
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def _text(args: argparse.Namespace) -> str:
+    from kvsieve.data import builtin_text, read_text
+
+    if args.file:
+        return read_text(args.file)
+    # One real article long enough for the requested tokens (~4 characters per token, with margin).
+    return builtin_text(min_chars=args.max_tokens * 6)
+
+
+def cmd_data(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.data import ensure_data
+    from kvsieve.evaluation.tasks import ensure_task_pack
+    from kvsieve.models import ensure_model
+
+    paths = {name: str(ensure_model(name)) for name in args.models}
+    paths.update({name: str(path) for name, path in ensure_data().items()})
+    paths["lm_eval_tasks"] = str(ensure_task_pack())
+    return {"fetched": paths}
+
+
+def cmd_policies(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.policies import REGISTRY
+
+    return {"policies": [cls.info() for cls in REGISTRY.values()]}
+
+
+def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.api import generate
+    from kvsieve.data import read_text
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give exactly one of PROMPT or --prompt-file")
+    policy_kwargs = _policy_kwargs(args)
+    prompt = read_text(args.prompt_file) if args.prompt_file else args.prompt
+    model, tokenizer = _load(args)
+    out = generate(
+        model,
+        tokenizer,
+        prompt,
+        policy=args.policy,
+        budget=args.budget,
+        max_new_tokens=args.max_new_tokens,
+        policy_kwargs=policy_kwargs,
+        schedule=args.schedule,
+    )
+    return {
+        "policy": args.policy,
+        "budget_tokens": out.budget_tokens,
+        "prompt_tokens": out.prompt_tokens[0],
+        "generated_tokens": out.generated_tokens[0],
+        "text": out.text,
+        "kv_slots_max": max(out.cache.slot_counts()),
+        "kv_bytes": out.cache.kv_nbytes(),
+        "state_bytes": out.cache.state_nbytes(),
+    }
+
+
+def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation.perplexity import stream_perplexity
+
+    policy_kwargs = _policy_kwargs(args)
+    text = _text(args)
+    model, tokenizer = _load(args)
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
+    result, _ = stream_perplexity(
+        model,
+        ids,
+        args.policy,
+        args.budget,
+        prefill=args.prefill,
+        engine=args.engine,
+        progress=not args.json,
+        rolling=args.rolling,
+        curve_every=args.curve_every or (512 if args.plot else None),
+        schedule=args.schedule,
+        **policy_kwargs,
+    )
+    if args.plot:
+        from kvsieve.evaluation.plots import plot_stream_curves
+
+        plot_stream_curves([result], args.plot, title=f"{args.model}, rolling={args.rolling}")
+    return result.to_dict()
+
+
+def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.data import builtin_text
+    from kvsieve.evaluation.needle import plot_needle, run_needle
+
+    policy_kwargs = _policy_kwargs(args)
+    model, tokenizer = _load(args)
+    cells = run_needle(
+        model,
+        tokenizer,
+        builtin_text(),
+        lengths=args.lengths,
+        depths=args.depths,
+        trials=args.trials,
+        policy=args.policy,
+        budget=args.budget,
+        progress=not args.json,
+        **policy_kwargs,
+    )
+    if args.plot:
+        plot_needle(cells, args.plot, title=f"{args.policy}, budget {args.budget}")
+    return {"policy": args.policy, "budget": args.budget, "cells": [c.to_dict() for c in cells]}
+
+
+def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation.compare import compare
+
+    text = _text(args)
+    model, tokenizer = _load(args)
+    rows = compare(
+        model,
+        tokenizer,
+        text,
+        policies=args.policies,
+        budget=args.budget,
+        max_tokens=args.max_tokens,
+        sample_tokens=args.sample_tokens,
+        progress=not args.json,
+        schedule=args.schedule,
+    )
+    return {"model": args.model, "budget": args.budget, "rows": [r.to_dict() for r in rows]}
+
+
+def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.benchmarks.bench import benchmark
+    from kvsieve.benchmarks.grid import pair_lengths
+    from kvsieve.benchmarks.profile import PROFILE_PROMPT, profile_decode
+    from kvsieve.benchmarks.runner import prompt_tokens
+
+    lengths = pair_lengths(args.prompt_lens, args.gen_lens)
+    model, tokenizer = _load(args)
+    if args.profile:
+        return {"profile": profile_decode(model, prompt_tokens(tokenizer, PROFILE_PROMPT))}
+    return benchmark(
+        model,
+        tokenizer,
+        lengths=lengths,
+        batches=args.batches,
+        policies=args.policies,
+        budget=args.budget,
+        repeats=args.repeats,
+        preset=args.preset,
+        mem_cap_gb=args.mem_cap_gb,
+        plot=args.plot,
+        title=args.model,
+    )
+
+
+def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation.lm_eval_model import KVSieveLM
+    from kvsieve.evaluation.summarization import evaluate_xsum
+
+    policy_kwargs = _policy_kwargs(args)
+    model, tokenizer = _load(args)
+    lm = KVSieveLM(
+        model=model,
+        tokenizer=tokenizer,
+        policy=args.policy,
+        budget=args.budget,
+        protocol=args.protocol,
+        batch_size=args.batch_size,
+        **policy_kwargs,
+    )
+    result = evaluate_xsum(lm, args.limit, args.max_new_tokens, progress=not args.json).to_dict()
+    samples = result.pop("samples")
+    return {"policy": args.policy, "budget": args.budget, "protocol": args.protocol, **result, "first": samples[0]}
+
+
+def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation import sweep
+
+    result = sweep.run_sweep(
+        args.out,
+        args.tasks,
+        args.policies or sweep.DEFAULT_POLICIES,
+        args.budgets or sweep.DEFAULT_BUDGETS,
+        settings=sweep.Settings(model=args.model, limit=args.limit, protocol=args.protocol, ppl_tokens=args.ppl_tokens),
+        jobs=args.jobs,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        progress=not args.json,
+        compute=not args.report,
+    )
+    return {"computed": result.computed, "files": result.files, "rows": result.rows, "table": result.table}
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """lm-eval's own command line, with the ``kvsieve`` model registered and the offline task pack included."""
+    from lm_eval.__main__ import cli_evaluate
+
+    import kvsieve.evaluation.lm_eval_model  # noqa: F401  (registers --model kvsieve)
+    from kvsieve.evaluation.tasks import PREFIX, ensure_task_pack, tasks_dir
+
+    argv = list(args.lm_eval_args)
+    if "--include_path" not in argv and (tasks_dir().exists() or any(PREFIX in a for a in argv)):
+        argv += ["--include_path", str(ensure_task_pack())]
+    saved, sys.argv = sys.argv, ["lm-eval", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return {}
+
+
+def cmd_analyze(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.analysis import POLICY_ANALYSES
+    from kvsieve.analysis.kept import policy_names
+    from kvsieve.analysis.report import run_analysis
+
+    options: dict[str, Any] = {}
+    if args.analysis in POLICY_ANALYSES:  # (an unknown policy is an error before the model loads)
+        options = {"policies": policy_names(args.policies), "budget": args.budget}
+    text = _text(args)
+    model, tokenizer = _load(args)
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
+    about = {"model": args.model, "text": args.file or text.splitlines()[0].strip("= ")}
+    out = args.out or f"out/analyze/{args.analysis}"
+    return run_analysis(args.analysis, model, ids, out, progress=not args.json, about=about, **options)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "data": cmd_data,
+    "policies": cmd_policies,
+    "generate": cmd_generate,
+    "ppl": cmd_ppl,
+    "compare": cmd_compare,
+    "needle": cmd_needle,
+    "bench": cmd_bench,
+    "xsum": cmd_xsum,
+    "sweep": cmd_sweep,
+    "lm-eval": cmd_lm_eval,
+    "analyze": cmd_analyze,
+}

