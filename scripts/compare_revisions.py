@@ -5,7 +5,7 @@ see the same machine drift), and the step ratios each version measures against i
 decode speed against DynamicCache) are compared, per policy:
 
     python scripts/compare_revisions.py HEAD~3 --rounds 4 -- --prompt-lens 2048 --gen-lens 64 --batches 1 \\
-        --policies h2o streaming_llm --repeats 1
+        --policies h2o streaming_llm --repeats 1   (the arguments after -- go to kvsieve bench)
 
 The base revision is checked out in a temporary git worktree (removed at the end).
 """
@@ -52,9 +52,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="the git revision to compare with (e.g. HEAD~3, a commit)")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each version (default 4)")
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: arguments of kvsieve bench")
-    args = parser.parse_args()
-    bench_args = [a for a in args.bench_args if a != "--"]
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, bench_args = parser.parse_args(argv[:split]), argv[split + 1 :]
     with tempfile.TemporaryDirectory(prefix="kvsieve-base-") as tmp:
         base = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT, check=True)
