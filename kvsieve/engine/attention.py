@@ -9,7 +9,7 @@
   layer *hands over* itself and the key tensor it returned (:func:`hand_over`). The attention function takes the
   hand-over only if it receives that very key tensor, checks that it implements every argument the model passes
   (:func:`attention_args`: it fails closed), and then lets the layer run the step
-  (:meth:`kvsieve.engine.cache.SieveLayer.attend`): masked attention over the kept slots, the policy's view of
+  (:meth:`kvsieve.engine.layer.SieveLayer.attend`): masked attention over the kept slots, the policy's view of
   the probabilities, and eviction. Without a hand-over (any other cache) it is the model's own implementation.
 
 Each model gets the name of its own implementation's twin (:func:`implementation_name`): ``"kvsieve"`` for a model
