@@ -13,7 +13,7 @@ from kvsieve.engine.attention import use_kvsieve_attention
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache, layer_types
 from kvsieve.engine.schedules import schedule_weights
-from kvsieve.policies import Policy, get_policy
+from kvsieve.policies import Policy, resolve_spec
 from kvsieve.profiling import profile
 
 __all__ = ["Generation", "generate", "make_cache", "use_kvsieve_attention"]
@@ -32,7 +32,8 @@ def make_cache(
     """An evicting cache for ``model``: use it as ``past_key_values`` in ``generate`` or a forward loop.
 
     ``budget``: tokens (int) or a ratio of the prompt length (float in (0, 1]); ignored by ``full``.
-    ``policy_kwargs``: the policy's parameters (see ``kvsieve policies``). Sliding-window layers (e.g. Gemma 3's
+    ``policy``: a name or a spec (``"h2o:recent=0"``, see :mod:`kvsieve.policies`). ``policy_kwargs``: the
+    policy's parameters (see ``kvsieve policies``). Sliding-window layers (e.g. Gemma 3's
     local layers) keep their own window; the policy and budget apply to the global layers. ``rolling=True`` assigns
     RoPE positions by rank within the cache (StreamingLLM-style), so streams can run past the model's
     ``max_position_embeddings``. ``stream=True``: every forward pass follows the stream protocol, one forward over a
@@ -42,8 +43,8 @@ def make_cache(
     :mod:`kvsieve.engine.schedules`). Switches the model to kvsieve's attention implementation (see
     :func:`use_kvsieve_attention`).
     """
-    cls = get_policy(policy)
-    params = cls.make_params(**policy_kwargs)
+    cls, kwargs, schedule = resolve_spec(policy, policy_kwargs, schedule)
+    params = cls.Params(**kwargs)
     weights = None
     if cls.takes_budget():
         n_layers = layer_types(model).count("full_attention")

@@ -16,7 +16,7 @@ import kvsieve
 from kvsieve.cli import build_parser, main
 from kvsieve.cli.commands import _policy_kwargs
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
-from kvsieve.policies import REGISTRY
+from kvsieve.policies import REGISTRY, resolve_spec
 from kvsieve.policies.ahakv import AhaKV
 from kvsieve.policies.h2o import H2O, H2OParams
 from kvsieve.policies.scissorhands import Scissorhands
@@ -222,3 +222,51 @@ def test_model_args_policy_params_are_parsed_by_their_type(tiny_lm) -> None:
     for bad in ("normalize=maybe", "recent=2.5", "recent=true"):
         with pytest.raises(ValueError, match=rf"for h2o parameter '{bad.split('=')[0]}'"):
             _lm(tiny, tokenizer, policy="h2o", **simple_parse_args_string(bad))
+
+
+# -- policy specs: "name:key=value,..." wherever a policy is named -------------------------------------------------
+
+
+def test_a_spec_carries_parameters_and_a_schedule(llama_gqa) -> None:
+    cls, params, schedule = resolve_spec(" ahakv: sgs=false , recent=3,schedule=increasing")
+    assert (cls, params, schedule) == (AhaKV, {"sgs": False, "recent": 3}, "increasing")
+    from_spec = kvsieve.make_cache(llama_gqa, "h2o:recent=0,schedule=increasing", 12)
+    from_kwargs = kvsieve.make_cache(llama_gqa, "h2o", 12, schedule="increasing", recent=0)
+    uniform = kvsieve.make_cache(llama_gqa, "h2o", 12)
+    for cache in (from_spec, from_kwargs, uniform):
+        cache.resolve(20)
+    assert from_spec.plan.layer_policies[-1][1] == from_kwargs.plan.layer_policies[-1][1] == H2OParams(recent=0)
+    assert from_spec.budgets == from_kwargs.budgets != uniform.budgets
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("ahakv:sgs", "bad policy spec"),
+        ("ahakv:sgs=true,sgs=false", "bad policy spec"),
+        ("ahakv:colour=red", "has no parameter(s) colour"),
+        ("ahakv:sgs=maybe", "invalid value 'maybe' for ahakv parameter 'sgs'"),
+        ("nothing:recent=1", "unknown policy 'nothing'"),
+        ("h2o:schedule=sideways", "unknown layer schedule 'sideways'"),
+    ],
+)
+def test_bad_specs_are_one_line_errors_before_a_model_loads(spec: str, message: str, capsys) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_spec(spec)
+    assert main(["generate", "--policy", spec, "--model", "/nonexistent", "Hello"]) == 2  # before loading anything
+    assert message.split("(")[0] in capsys.readouterr().err
+
+
+def test_a_parameter_given_twice_is_an_error() -> None:
+    with pytest.raises(ValueError, match="recent given both"):
+        resolve_spec("h2o:recent=3", {"recent": 4})
+    args = build_parser().parse_args(["generate", "--policy", "h2o:recent=3", "-p", "recent=4", "--prompt", "x"])
+    with pytest.raises(ValueError, match="recent given both"):
+        _policy_kwargs(args)
+
+
+def test_lm_eval_model_args_take_a_spec(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    lm = KVSieveLM(model=model, tokenizer=tokenizer, policy="scissorhands:window=7,schedule=pyramid", budget=16)
+    assert (lm.policy, lm.policy_kwargs, lm.schedule) == (Scissorhands, {"window": 7}, "pyramid")
+    assert lm._cache(16).plan.layer_policies[-1][1].window == 7

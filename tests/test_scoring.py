@@ -10,7 +10,7 @@ import torch
 import kvsieve
 from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.stream import plan_chunks
-from kvsieve.evaluation.perplexity import stream_logits, stream_perplexity
+from kvsieve.evaluation.perplexity import context_perplexity, stream_logits, stream_perplexity
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.base import SinkWindow
 
@@ -193,3 +193,22 @@ def test_chunk_plans(policy, q, prompt, options, bounds, closed_form) -> None:
         rolling=options.get("rolling", False),
     )
     assert planned.bounds == sorted(set(bounds)) and planned.closed_form is closed_form
+
+
+def test_context_perplexity_scores_the_continuation_over_the_compressed_context(llama_gqa) -> None:
+    torch.manual_seed(1)
+    ids = torch.randint(0, 100, (1, 60))
+    with torch.no_grad():
+        logits = llama_gqa(ids).logits
+    targets = ids[0, 41:]
+    reference = torch.nn.functional.cross_entropy(logits[0, 40:-1], targets).exp().item()
+    full, _ = context_perplexity(llama_gqa, ids, "full", context=40)
+    assert full.ppl == pytest.approx(reference, rel=1e-5)
+    assert (full.protocol, full.prefill_tokens, full.tokens_scored) == ("prefill", 40, 19)
+    same, _ = context_perplexity(llama_gqa, ids, "h2o", 1.0, context=40)  # a budget the context fits: nothing evicted
+    assert same.ppl == pytest.approx(reference, rel=1e-5)
+    h2o, cache = context_perplexity(llama_gqa, ids, "h2o", 0.25, context=40)
+    assert (h2o.budget_tokens, h2o.kv_slots_max) == (10, 10)  # the ratio is of the context
+    assert h2o.ppl != pytest.approx(reference, rel=1e-3)
+    with pytest.raises(ValueError, match="context must be in"):
+        context_perplexity(llama_gqa, ids, "h2o", 0.25, context=59)

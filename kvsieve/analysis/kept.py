@@ -15,17 +15,20 @@ from kvsieve.analysis.attention import Result, accumulated, layer_progress, map_
 from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
-from kvsieve.policies import get_policy
+from kvsieve.policies import get_policy, resolve_spec
 
 BINS = 20
 """Position bins of the kept-positions histogram (fewer for a text of fewer tokens)."""
 
 
 def policy_names(policies: Sequence[str]) -> list[str]:
-    """The registered names of ``policies`` (a ``ValueError`` for an unknown one, or for none)."""
+    """``policies`` (names or specs, see :mod:`kvsieve.policies`) checked: a ``ValueError`` for an unknown one, a bad
+    parameter, or none."""
     if not policies:
         raise ValueError("give at least one policy")
-    return [get_policy(p).name for p in policies]
+    for policy in policies:
+        resolve_spec(policy)
+    return list(policies)
 
 
 def budget_tokens(budget: Budget, n: int) -> int:

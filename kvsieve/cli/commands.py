@@ -10,9 +10,11 @@ from typing import Any
 
 
 def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``-p`` parameters checked and typed by ``--policy``'s ``Params``: called before any model loads."""
-    from kvsieve.policies import get_policy
+    """The ``-p`` parameters checked and typed by ``--policy``'s ``Params`` (with the spec's own, if ``--policy``
+    is a spec): called before any model loads."""
+    from kvsieve.policies import get_policy, resolve_spec
 
+    resolve_spec(args.policy, dict(args.param))
     return get_policy(args.policy).parse_params(**dict(args.param))
 
 

@@ -48,7 +48,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, parse_budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
-from kvsieve.policies import get_policy
+from kvsieve.policies import resolve_spec
 
 PROTOCOLS = ("stream", "prefill")
 DEFAULT_MODEL = "smollm2-135m"
@@ -83,8 +83,8 @@ class KVSieveLM(TemplateLM):
         super().__init__()
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        self.policy = get_policy(policy)
-        self.policy_kwargs = self.policy.parse_params(**policy_kwargs)  # typed; fails early on a bad one
+        # typed; fails early on a bad one. ``policy`` may be a spec ("ahakv:sgs=false,schedule=increasing").
+        self.policy, self.policy_kwargs, self.schedule = resolve_spec(policy, policy_kwargs)
         self.budget = parse_budget(budget)
         self.protocol = protocol
         if model is None:
@@ -181,7 +181,14 @@ class KVSieveLM(TemplateLM):
         """A cache for requests under ``budget`` (None: the full cache); streamed under the ``stream`` protocol."""
         if budget is None:
             return make_cache(self.model, "full", None)
-        return make_cache(self.model, self.policy, budget, stream=self.protocol == "stream", **self.policy_kwargs)
+        return make_cache(
+            self.model,
+            self.policy,
+            budget,
+            stream=self.protocol == "stream",
+            schedule=self.schedule,
+            **self.policy_kwargs,
+        )
 
     def _fit(self, context: list[int], room: int) -> list[int]:
         """``context`` without its oldest tokens if it and ``room`` more tokens exceed the model's positions."""

@@ -1,8 +1,12 @@
-"""Perplexity of a text streamed through an evicting cache (the "prefill" protocol).
+"""Perplexity of a text under an evicting cache, in either protocol (each result says which):
 
-The first ``prefill`` tokens are processed in one forward pass with full attention among themselves (their
-predictions are scored from that pass), the cache is then compressed to the budget, and every remaining token is
-fed one at a time, so each later prediction sees only what the policy kept.
+- ``stream`` (:func:`stream_perplexity`, the H2O paper's): the first ``prefill`` tokens are processed in one forward
+  pass with full attention among themselves (their predictions are scored from that pass), the cache is then
+  compressed to the budget, and every remaining token is fed one at a time, so each later prediction sees only what
+  the policy kept;
+- ``prefill`` (:func:`context_perplexity`, the protocol of AhaKV, SnapKV and kvpress): a context is compressed once
+  to the budget, then the continuation is read in one forward pass over the compressed context (its tokens see the
+  kept context and each other) and only its predictions are scored.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ WHOLE_CHUNK = 256  # tokens per forward pass of the whole-sequence engine (bound
 class PerplexityResult:
     policy: str
     engine: str
+    """``whole`` or ``decode`` (stream protocol), ``once`` (prefill protocol)."""
     budget_tokens: int | None
     prefill_tokens: int
     tokens_scored: int
@@ -43,6 +48,8 @@ class PerplexityResult:
     stream_tok_s: float
     curve: list[dict[str, float]] = field(default_factory=list)
     """With ``curve_every``: per interval, tokens scored so far, the interval's perplexity, RSS and KV bytes."""
+    protocol: str = "stream"
+    """``stream`` or ``prefill`` (see the module docs)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,6 +156,53 @@ def stream_perplexity(
         seconds=end - start,
         stream_tok_s=rest.shape[1] / (end - stream_start) if rest.shape[1] else float("nan"),
         curve=curve,
+    )
+    return result, cache
+
+
+@torch.inference_mode()
+def context_perplexity(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    policy: str = "h2o",
+    budget: Budget = 0.2,
+    context: int | None = None,
+    **policy_kwargs: Any,
+) -> tuple[PerplexityResult, SieveCache]:
+    """Perplexity of the continuation of ``input_ids`` (``[1, L]`` or ``[L]``) after its first ``context`` tokens
+    (default ``2L/3``) were compressed once to ``budget`` (a ratio is of ``context``): the prefill protocol.
+
+    The continuation is read in one forward pass, so nothing is evicted while it is scored: its tokens see the kept
+    context and each other. Only the continuation's predictions are scored (the ``L - 1 - context`` tokens after
+    the first continuation token: the context's last prediction precedes any compression).
+    """
+    ids = input_ids.reshape(1, -1).to(model.device)
+    length = ids.shape[1]
+    context = 2 * length // 3 if context is None else context
+    if not 1 <= context <= length - 2:
+        raise ValueError(f"context must be in [1, {length - 2}] for a text of {length} tokens, got {context}")
+    cache = make_cache(model, policy, resolve_budget(budget, context), **policy_kwargs)
+    start = time.perf_counter()
+    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    kv_slots = max(cache.slot_counts())
+    kv_bytes, state_bytes = cache.kv_nbytes(), cache.state_nbytes()
+    logits = model(ids[:, context:-1], past_key_values=cache, use_cache=True).logits
+    scored = length - 1 - context
+    mean = _nll(logits, ids[:, context + 1 :]).item() / scored
+    result = PerplexityResult(
+        policy=cache.policy_name,
+        engine="once",
+        budget_tokens=cache.budget_tokens,
+        prefill_tokens=context,
+        tokens_scored=scored,
+        ppl=math.exp(mean),
+        nll=mean,
+        kv_slots_max=kv_slots,
+        kv_bytes=kv_bytes,
+        state_bytes=state_bytes,
+        seconds=time.perf_counter() - start,
+        stream_tok_s=float("nan"),
+        protocol="prefill",
     )
     return result, cache
 

@@ -1,7 +1,8 @@
 """Sweeps: a metric vs the KV budget for several policies and tasks (the H2O paper's Figure 4), resumable.
 
-A sweep is a grid of cells (task, policy, budget). Every finished cell is stored as one JSON file in
-``OUT/cells`` together with the settings it was computed with (model, limit, protocol, ppl tokens); a later run
+A sweep is a grid of cells (task, policy, budget); a policy may be a spec with parameters (``"h2o:recent=0"``,
+see :mod:`kvsieve.policies`), so an ablation is one more row of the grid. Every finished cell is stored as one JSON
+file in ``OUT/cells`` together with the settings it was computed with (model, limit, protocol, ppl tokens); a later run
 with the same settings never recomputes it, so an interrupted or extended sweep computes only what is missing.
 A cell that fails (e.g. ``streaming_llm`` when a request's budget is not above its 4 sink tokens) is stored with
 its ``error`` and shown as such; delete its file to retry it.
@@ -9,7 +10,9 @@ its ``error`` and shown as such; delete its file to retry it.
 Tasks:
 
 - ``ppl``: perplexity of the built-in Wikipedia text (the first ``ppl_tokens`` tokens of the first article long
-  enough) with :func:`~kvsieve.evaluation.perplexity.stream_perplexity`; a ratio budget is a share of those tokens.
+  enough): with the ``stream`` protocol :func:`~kvsieve.evaluation.perplexity.stream_perplexity` (a ratio budget is
+  a share of those tokens); with ``prefill``, :func:`~kvsieve.evaluation.perplexity.context_perplexity` (the first
+  two thirds compressed once, the last third scored; a ratio budget is a share of the context).
 - ``xsum``: ROUGE-1/2/L of summaries of the first ``limit`` GEM XSum articles
   (:func:`~kvsieve.evaluation.summarization.evaluate_xsum`).
 - any other name: an lm-eval task or group run through :class:`~kvsieve.evaluation.lm_eval_model.KVSieveLM`
@@ -47,7 +50,7 @@ from kvsieve.engine.budget import Budget, check_budget
 from kvsieve.evaluation.lm_eval_model import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, PROTOCOLS, KVSieveLM
 from kvsieve.evaluation.summarization import ROUGE_TYPES
 from kvsieve.evaluation.tasks import task_name
-from kvsieve.policies import get_policy
+from kvsieve.policies import get_policy, resolve_spec
 
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o")
 DEFAULT_BUDGETS: tuple[Budget, ...] = (0.04, 0.1, 0.2, 0.6, 1.0)
@@ -129,11 +132,14 @@ class Runner:
 
     def _perplexity(self, cell: Cell) -> dict[str, Any]:
         from kvsieve.data import builtin_text
-        from kvsieve.evaluation.perplexity import stream_perplexity
+        from kvsieve.evaluation.perplexity import context_perplexity, stream_perplexity
 
         model, tokenizer = self.loaded
         tokens = self.settings.ppl_tokens
         ids = tokenizer(builtin_text(min_chars=tokens * 6), return_tensors="pt").input_ids[:, :tokens]
+        if self.settings.protocol == "prefill":
+            result, _ = context_perplexity(model, ids, cell.policy, cell.budget)
+            return {"ppl": result.ppl, "n": result.tokens_scored}
         prefill = None if get_policy(cell.policy).bounded else ids.shape[1] - 1
         result, _ = stream_perplexity(model, ids, cell.policy, cell.budget, prefill=prefill, progress=False)
         return {"ppl": result.ppl, "n": result.tokens_scored}
@@ -243,7 +249,7 @@ def run_sweep(
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     for policy in policies:
-        get_policy(policy)
+        resolve_spec(policy)  # a name or a spec ("ahakv:sgs=false"): checked before anything runs
     for budget in budgets:
         check_budget(budget)
     out = Path(out)

@@ -1,10 +1,18 @@
 """Eviction policies, one file each: a ``@register``-decorated subclass of :class:`Policy`, and its module's name
-in :data:`MODULES` (in the order ``kvsieve policies`` lists them)."""
+in :data:`MODULES` (in the order ``kvsieve policies`` lists them).
+
+Wherever a policy is named (``make_cache``, the CLI's ``--policy``/``--policies``, sweeps, lm-eval's
+``policy=``), a *policy spec* may carry parameters: ``"ahakv:sgs=false,recent=16"`` is ``ahakv`` with those
+parameters, and the key ``schedule`` sets the layer budget schedule (``"scissorhands:schedule=increasing"``), so
+ablations are named cells of one grid.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
+from kvsieve.engine.schedules import SCHEDULES
 from kvsieve.policies.base import REGISTRY, NoParams, Observation, Policy, Slots
 
 MODULES = (
@@ -16,6 +24,7 @@ MODULES = (
     "ahakv",
     "strided",
     "fixed",
+    "heavy",
     "random",
     "tova",
     "snapkv",
@@ -26,14 +35,55 @@ for _module in MODULES:
     importlib.import_module(f"{__name__}.{_module}")  # (each module registers its policy)
 
 
+def split_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"ahakv:sgs=false,recent=16"`` → ``("ahakv", {"sgs": "false", "recent": "16"})`` (values as text)."""
+    name, _, rest = spec.partition(":")
+    params: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or key.strip() in params:
+            raise ValueError(f"bad policy spec {spec!r}: expected name:key=value,key=value (each key once)")
+        params[key.strip()] = value.strip()
+    return name.strip(), params
+
+
 def get_policy(name: str | type[Policy]) -> type[Policy]:
-    """The policy class registered under ``name`` (a class is returned as is)."""
+    """The policy class registered under ``name`` or named by a policy spec (a class is returned as is)."""
     if isinstance(name, type) and issubclass(name, Policy):
         return name
+    name = split_spec(name)[0]
     try:
         return REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(REGISTRY)}") from None
 
 
-__all__ = ["MODULES", "REGISTRY", "NoParams", "Observation", "Policy", "Slots", "get_policy"]
+def resolve_spec(
+    policy: str | type[Policy], policy_kwargs: dict[str, Any] | None = None, schedule: Any = "uniform"
+) -> tuple[type[Policy], dict[str, Any], Any]:
+    """The policy class, its parameters (typed, checked) and the layer schedule of ``policy`` (a name, a spec or
+    a class) with ``policy_kwargs`` added: a parameter given both ways is an error; a spec's ``schedule`` replaces
+    the default ``schedule``."""
+    cls = get_policy(policy)
+    from_spec = split_spec(policy)[1] if isinstance(policy, str) else {}
+    if "schedule" in from_spec:
+        schedule = from_spec.pop("schedule")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown layer schedule {schedule!r} in {policy!r}; available: {', '.join(SCHEDULES)}")
+    twice = sorted(from_spec.keys() & (policy_kwargs or {}).keys())
+    if twice:
+        raise ValueError(f"policy parameter(s) {', '.join(twice)} given both in {policy!r} and separately")
+    return cls, cls.parse_params(**from_spec, **(policy_kwargs or {})), schedule
+
+
+__all__ = [
+    "MODULES",
+    "REGISTRY",
+    "NoParams",
+    "Observation",
+    "Policy",
+    "Slots",
+    "get_policy",
+    "resolve_spec",
+    "split_spec",
+]
