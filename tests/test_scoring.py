@@ -207,7 +207,7 @@ def test_context_perplexity_scores_the_continuation_over_the_compressed_context(
     assert (full.protocol, full.prefill_tokens, full.tokens_scored) == ("prefill", 40, 19)
     same, _ = context_perplexity(llama_gqa, ids, "h2o", 1.0, context=40)  # a budget the context fits: nothing evicted
     assert same.ppl == pytest.approx(reference, rel=1e-5)
-    h2o, cache = context_perplexity(llama_gqa, ids, "h2o", 0.25, context=40)
+    h2o, _ = context_perplexity(llama_gqa, ids, "h2o", 0.25, context=40)
     assert (h2o.budget_tokens, h2o.kv_slots_max) == (10, 10)  # the ratio is of the context
     assert h2o.ppl != pytest.approx(reference, rel=1e-3)
     with pytest.raises(ValueError, match="context must be in"):
