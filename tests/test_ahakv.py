@@ -16,14 +16,28 @@ from kvsieve.policies.ahakv import AhaKV, step_gain_probs, value_prior
 
 
 class AhaKVReference(Reference):
-    def __init__(self, budget: int, group: int, recent: int, ra: bool, sgs: bool, vpe: bool, kernel: int) -> None:
+    def __init__(
+        self,
+        budget: int,
+        group: int,
+        recent: int,
+        ra: bool,
+        sgs: bool,
+        vpe: bool,
+        kernel: int,
+        sgs_tokens: str = "seen",
+        sgs_decode: bool = True,
+    ) -> None:
         super().__init__(budget, group)
         self.recent, self.ra, self.sgs, self.vpe, self.kernel = recent, ra, sgs, vpe, kernel
+        self.sgs_tokens, self.sgs_decode = sgs_tokens, sgs_decode
         self.prior: dict[int, float] = {}
+        self.step_rows = 0
 
     def begin(self, call: Call, b: int, h: int) -> None:
         """γ̄ of the call's tokens: squared value norms, mean over a centred window in position order, / max."""
         self.prior = {}
+        self.step_rows = call.step_rows
         if not (self.vpe and call.step_rows > 1):
             return
         tokens = sorted(
@@ -43,12 +57,13 @@ class AhaKVReference(Reference):
         if self.ra and qp <= last - self.recent:
             return
         allowed = call.allowed[b][h][r]
-        seen = qp + 1
-        gain = math.sqrt(2 * math.log(seen / self.budget)) if seen > self.budget else 0.0
+        i = qp + 1 if self.sgs_tokens == "seen" else sum(allowed)
+        gain = math.sqrt(2 * math.log(i / self.budget)) if i > self.budget else 0.0
+        sgs = self.sgs and (self.sgs_decode or self.step_rows > 1)
         for s, p in enumerate(call.pos[b][h]):
             if not allowed[s]:
                 continue
-            if self.sgs:
+            if sgs:
                 a = sum(softmax(call.logits[b][h][g][r], allowed, gain)[s] for g in range(self.group))
             else:
                 a = call.probs[b][h][r][s]
@@ -64,6 +79,15 @@ class AhaKVReference(Reference):
 def test_ahakv_matches_reference(llama_gqa, stream, monkeypatch, ra, sgs, vpe) -> None:
     run = record(llama_gqa, stream, monkeypatch, "ahakv", recent=3, ra=ra, sgs=sgs, vpe=vpe, kernel=3)
     replay(run, partial(AhaKVReference, BUDGET, 2, 3, ra, sgs, vpe, 3), lambda state: state["score"])
+
+
+@pytest.mark.parametrize(("sgs_tokens", "sgs_decode"), [("kept", True), ("seen", False), ("kept", False)])
+def test_ahakv_sgs_readings_match_reference(llama_gqa, stream, monkeypatch, sgs_tokens, sgs_decode) -> None:
+    params = {"recent": 3, "kernel": 3, "sgs_tokens": sgs_tokens, "sgs_decode": sgs_decode}
+    run = record(llama_gqa, stream, monkeypatch, "ahakv", **params)
+    reference = partial(AhaKVReference, BUDGET, 2, 3, True, True, True, 3, sgs_tokens, sgs_decode)
+    replay(run, reference, lambda state: state["score"])
+    assert run.slots != record(llama_gqa, stream, monkeypatch, "ahakv", recent=3, kernel=3).slots
 
 
 def test_ahakv_components_change_decisions(llama_gqa, stream, monkeypatch) -> None:

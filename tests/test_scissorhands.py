@@ -17,14 +17,17 @@ from kvsieve.policies.scissorhands import Scissorhands
 class ScissorhandsReference(Reference):
     """Algorithm 2 with the window kept as {row position: marked} per token."""
 
-    def __init__(self, budget: int, group: int, window: int, recent: int, drop: int) -> None:
+    def __init__(
+        self, budget: int, group: int, window: int, recent: int, drop: int, threshold: str = "attended"
+    ) -> None:
         super().__init__(budget, group)
-        self.window, self.recent, self.drop = window, recent, drop
+        self.window, self.recent, self.drop, self.threshold = window, recent, drop, threshold
         self.marks: dict[int, dict[int, bool]] = defaultdict(dict)
 
     def row(self, call: Call, b: int, h: int, r: int) -> None:
         allowed = call.allowed[b][h][r]
-        uniform = self.group / sum(allowed)  # the group-summed probability of a uniform row
+        t = call.query_pos[b][r] + 1 if self.threshold == "paper" else sum(allowed)
+        uniform = self.group / t  # the group-summed probability of a uniform row over t tokens
         for s, p in enumerate(call.pos[b][h]):
             if allowed[s]:
                 self.marks[p][call.query_pos[b][r]] = call.probs[b][h][r][s] < uniform
@@ -45,17 +48,21 @@ class ScissorhandsReference(Reference):
 
 
 @pytest.mark.parametrize(
-    ("params", "window", "recent", "drop"),
+    ("params", "window", "recent", "drop", "threshold"),
     [
-        ({"window": 4, "recent": 2, "drop": 3}, 4, 2, 3),
-        ({}, 100, 6, 5),
-        ({"window": 7, "recent": 0, "drop": 1}, 7, 0, 1),
+        ({"window": 4, "recent": 2, "drop": 3}, 4, 2, 3, "attended"),
+        ({}, 100, 6, 5, "attended"),
+        ({"window": 7, "recent": 0, "drop": 1}, 7, 0, 1, "attended"),
+        ({"window": 4, "recent": 2, "drop": 3, "threshold": "paper"}, 4, 2, 3, "paper"),
     ],
-    ids=["w4-r2-m3", "defaults", "w7-r0-m1"],
+    ids=["w4-r2-m3", "defaults", "w7-r0-m1", "w4-r2-m3-paper"],
 )
-def test_scissorhands_matches_reference(llama_gqa, stream, monkeypatch, params, window, recent, drop) -> None:
+def test_scissorhands_matches_reference(
+    llama_gqa, stream, monkeypatch, params, window, recent, drop, threshold
+) -> None:
     run = record(llama_gqa, stream, monkeypatch, "scissorhands", **params)
-    replay(run, partial(ScissorhandsReference, BUDGET, 2, window, recent, drop), lambda state: state["low"].sum(dim=-1))
+    reference = partial(ScissorhandsReference, BUDGET, 2, window, recent, drop, threshold)
+    replay(run, reference, lambda state: state["low"].sum(dim=-1))
     # The prompt is cut to the budget; then the cache grows by one per step and drops `drop` tokens at once.
     expected = [BUDGET]
     for _ in range(STEPS):
@@ -125,3 +132,13 @@ def test_a_short_row_of_a_padded_batch_compresses_as_if_alone(tiny_models) -> No
             assert torch.equal(
                 held[held >= 0].view(held.shape[0], -1).sort(-1).values, alone.positions(0)[0].sort(-1).values
             )
+
+
+def test_the_papers_threshold_marks_fewer_tokens_once_tokens_were_evicted(llama_gqa, stream, monkeypatch) -> None:
+    """1/t with t the step is below 1/(tokens attended) once the cache dropped tokens: fewer marks."""
+    runs = {
+        threshold: record(llama_gqa, stream, monkeypatch, "scissorhands", drop=3, threshold=threshold)
+        for threshold in ("attended", "paper")
+    }
+    marks = {name: sum(int(s["low"].sum()) for s in run.state[-1]) for name, run in runs.items()}
+    assert marks["paper"] < marks["attended"]

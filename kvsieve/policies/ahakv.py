@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,17 +29,24 @@ class AhaKVParams:
     """Recent Accumulation: prompt scores sum only the last ``recent`` query rows (off: every row, as H2O)."""
     sgs: bool = True
     """Step-gain softmax for the scores (off: the model's own attention probabilities)."""
+    sgs_tokens: Literal["seen", "kept"] = "seen"
+    """The ``i`` of SGS's gain: the tokens the row has ``seen`` (its position + 1, the paper's sequence length) or
+    the tokens ``kept`` in its softmax (at most ``B + 1`` once the cache is full)."""
+    sgs_decode: bool = True
+    """SGS at decode steps too (off: decode steps add the model's own probabilities, SGS scores the prompt only)."""
     vpe: bool = True
     """Value prior: prompt scores multiplied by the normalised, pooled squared norms of the values (off: × 1)."""
     kernel: int = 5
     """Odd window of the value prior's average pooling (our choice; the paper does not state it)."""
 
 
-def step_gain_probs(obs: Observation, budget: int) -> torch.Tensor:
-    """``[B, H, b, N]`` SG-softmax of each row, the group's query heads summed (padding rows zero)."""
-    seen = (obs.query_pos + 1).float()  # tokens the row has seen in total (its own included)
-    gain = (2 * torch.log(seen / budget)).clamp(min=0).sqrt()  # 0 (uniform) while seen <= budget
-    logits = (obs.logits * gain[:, None, None, :, None]).masked_fill(~obs.allowed[:, :, None], float("-inf"))
+def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torch.Tensor:
+    """``[B, H, b, N]`` SG-softmax of each row, the group's query heads summed (padding rows zero); ``i`` is the
+    number of tokens the row has ``seen`` or the number ``kept`` in its softmax (see :class:`AhaKVParams`)."""
+    # [B, 1, b] with its own token, or [B, H, b]
+    count = (obs.query_pos + 1).float()[:, None] if tokens == "seen" else obs.allowed.sum(dim=-1).float()
+    gain = (2 * torch.log(count / budget)).clamp(min=0).sqrt()  # 0 (uniform) while i <= budget
+    logits = (obs.logits * gain[:, :, None, :, None]).masked_fill(~obs.allowed[:, :, None], float("-inf"))
     return logits.softmax(dim=-1).sum(dim=2) * (obs.query_pos >= 0)[:, None, :, None]
 
 
@@ -111,7 +119,8 @@ class AhaKV(Policy):
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         p = self.params
-        probs = step_gain_probs(obs, self.budget) if p.sgs else obs.probs
+        sgs = p.sgs and (p.sgs_decode or obs.step_rows > 1)
+        probs = step_gain_probs(obs, self.budget, p.sgs_tokens) if sgs else obs.probs
         if p.ra:
             probs = probs * (obs.query_pos > slots.last[:, None] - self.recent)[:, None, :, None]
         gain = probs.sum(dim=2)

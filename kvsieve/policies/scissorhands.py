@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ class ScissorhandsParams:
     """Recent window ``r`` (never dropped); default ``min(10, budget + 1 - drop)``."""
     drop: int | None = None
     """Tokens dropped per compression ``m``; default ``max(1, budget // 2)`` (the paper's experiments: B/2)."""
+    threshold: Literal["attended", "paper"] = "attended"
+    """A row marks a token below ``1/t``: ``t`` = the tokens the row ``attended`` (its uniform share of the kept
+    ones) or, ``paper``, Algorithm 2's ``t`` = the generation step (the tokens the row has seen, evicted ones too)."""
 
 
 @register
@@ -28,7 +32,10 @@ class Scissorhands(Policy):
     Test Time", NeurIPS 2023 (arXiv:2305.17118), Algorithms 1 and 2, per (batch row, KV head):
 
     - a query row that attended to ``t`` tokens marks every token it gave less than the uniform share ``1/t`` as
-      *unimportant*; a token's count is the number of such marks from the last ``w`` rows (the history window);
+      *unimportant* (``threshold="attended"``, the default; Algorithm 2 writes ``1/t`` with ``t`` the generation
+      step, i.e. the tokens seen including evicted ones: ``threshold="paper"``, a lower bar once the cache is full —
+      both are measured in ``kvsieve reproduce scissorhands``); a token's count is the number of such marks from the
+      last ``w`` rows (the history window);
     - the ``r`` newest tokens (the recent window) are never dropped (the paper's ``I[:-r] ← 0`` means the last r);
     - when a decode step leaves ``B + 1`` tokens, the ``m`` tokens with the highest counts are dropped at once, so
       the cache goes ``B+1-m, B+2-m, ..., B`` and compresses every ``m`` steps — exactly Algorithm 1, which
@@ -77,8 +84,11 @@ class Scissorhands(Policy):
         w = self.params.window
         # Only the block's last w rows can still be in the window; their positions are distinct mod w.
         probs, allowed, query_pos = obs.probs[:, :, -w:], obs.allowed[:, :, -w:], obs.query_pos[:, -w:]
-        attended = allowed.sum(dim=-1, keepdim=True)
-        low = allowed & (probs < obs.logits.shape[2] / attended)  # [B, H, b, N]
+        if self.params.threshold == "paper":
+            t = (query_pos + 1).clamp(min=1)[:, None, :, None]  # the step: tokens seen, its own included
+        else:
+            t = allowed.sum(dim=-1, keepdim=True)
+        low = allowed & (probs < obs.logits.shape[2] / t)  # [B, H, b, N]
         column = F.one_hot(query_pos.clamp(min=0) % w, w) * (query_pos >= 0)[..., None]  # [B, b, w]
         marks = torch.einsum("bhrn,brc->bhnc", low.float(), column.float()) > 0
         ring = slots.state["low"]
