@@ -49,7 +49,7 @@ def test_what_the_engine_infers() -> None:
     }  # fmt: skip
     assert {name for name, cls in REGISTRY.items() if issubclass(cls, SinkWindow)} == {"local", "streaming_llm"}
     assert {name for name, cls in REGISTRY.items() if cls.needs_attention} == {
-        "h2o", "scissorhands", "ahakv", "tova", "snapkv", "topk_oracle"
+        "h2o", "scissorhands", "ahakv", "tova", "snapkv", "topk_oracle", "h2o+strided", "h2o+fixed", "h2o+local"
     }  # fmt: skip
 
 
