@@ -6,6 +6,7 @@ the command line's ``-p``, lm-eval's ``model_args``)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any
 
@@ -69,8 +70,9 @@ def test_params_are_checked_against_their_annotations(policy, name, kind) -> Non
     for value, expected in good:
         stored = getattr(cls.make_params(**{name: value}), name)
         assert stored == expected and type(stored) is type(expected), (value, stored)
+    pattern = rf"^invalid value .* for {re.escape(policy)} parameter '{name}' \(expected .+\)$"
     for value in bad:
-        with pytest.raises(ValueError, match=rf"^invalid value .* for {policy} parameter '{name}' \(expected .+\)$"):
+        with pytest.raises(ValueError, match=pattern):
             cls.make_params(**{name: value})
 
 
