@@ -11,31 +11,42 @@ from kvsieve.policies import Slots
 from kvsieve.policies.knorm import KNorm, KNormParams
 
 
-@pytest.mark.parametrize("recent", [0, 3])
-def test_knorm_keeps_the_lowest_key_norms(llama_gqa, stream, make_ids, recent) -> None:
+@pytest.mark.parametrize(("recent", "drop"), [(0, 1), (3, 1), (0, 4), (3, 6)])
+def test_knorm_keeps_the_lowest_key_norms(llama_gqa, stream, make_ids, recent, drop) -> None:
     budget, prompt_len, steps = 8, 20, 10
     prompt = make_ids(2, prompt_len)
-    kept = run_kept(llama_gqa, "knorm", budget, prompt, steps, stream, recent=recent)
+    kept = run_kept(llama_gqa, "knorm", budget, prompt, steps, stream, recent=recent, drop=drop)
     full = DynamicCache(config=llama_gqa.config)
     stream(llama_gqa, full, prompt, steps)  # the same tokens (the stream's decode tokens are seeded)
     norms = [layer.keys.norm(dim=-1) for layer in full.layers]  # [B, H, L]
 
-    def expected(layer: int, b: int, h: int, last: int) -> set[int]:
-        window = set(range(last - recent + 1, last + 1))
+    def keep(held: set[int], n: int, layer: int, b: int, h: int) -> set[int]:
+        last = max(held)
+        window = {p for p in held if p > last - recent}
         # lowest norms first; equal norms (a repeated token: RoPE keeps the norm) newer first
-        earlier = sorted(range(last - recent + 1), key=lambda p: (float(norms[layer][b, h, p]), -p))
-        return window | set(earlier[: budget - recent])
+        earlier = sorted(held - window, key=lambda p: (float(norms[layer][b, h, p]), -p))
+        return window | set(earlier[: n - len(window)])
 
     # after the prompt every layer's keys are those of full attention; later, layer 0's keys still are
     for layer in range(len(norms)):
         for b in range(2):
             for h in range(norms[0].shape[1]):
-                assert kept[0][layer][b][h] == expected(layer, b, h, prompt_len - 1)
-    for step in range(1, steps + 1):
-        last = prompt_len - 1 + step
-        assert [[kept[step][0][b][h] for h in range(2)] for b in range(2)] == [
-            [expected(0, b, h, last) for h in range(2)] for b in range(2)
-        ]
+                assert kept[0][layer][b][h] == keep(set(range(prompt_len)), budget, layer, b, h)
+    for b in range(2):
+        for h in range(2):
+            held = kept[0][0][b][h]
+            for step in range(1, steps + 1):
+                held = held | {prompt_len - 1 + step}
+                if len(held) > budget:  # a decode step fills the cache: `drop` tokens go at once
+                    held = keep(held, len(held) - drop, 0, b, h)
+                assert kept[step][0][b][h] == held, (b, h, step)
+    sizes = {len(kept[step][0][0][0]) for step in range(steps + 1)}
+    assert sizes == set(range(budget + 1 - drop, budget + 1))
+
+
+def test_knorm_drop_must_leave_room_outside_the_recent_window() -> None:
+    with pytest.raises(ValueError, match=r"knorm: drop must be in \[1, budget \+ 1 - recent = 6\], got 7"):
+        KNorm(8, KNormParams(recent=3, drop=7))
 
 
 def test_knorm_ties_keep_the_newer_token_whatever_the_slot_order() -> None:

@@ -361,6 +361,15 @@ def recent_mask(pos: torch.Tensor, last: torch.Tensor, recent: int) -> torch.Ten
     return pos > (last - recent).view(-1, 1, 1)
 
 
+def drop_in_bulk(n: int, budget: int, drop: int) -> int:
+    """``n_keep`` of a policy that compresses ``drop`` tokens at once: a decode step that leaves ``budget + 1``
+    tokens keeps ``budget + 1 - drop`` (the cache then refills for ``drop`` steps), a step that leaves more (a
+    prompt) keeps exactly ``budget``, fewer are all kept. ``drop = 1`` is ``min(n, budget)``."""
+    if n <= budget:
+        return n
+    return budget if n - budget > 1 else n - drop
+
+
 def protect(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``priority`` with the slots of ``mask`` always kept (``+inf``, or :data:`PROTECTED` for an integer one)."""
     return priority.masked_fill(mask, float("inf") if priority.is_floating_point() else PROTECTED)

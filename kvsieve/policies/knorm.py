@@ -6,13 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, protect, recent_mask, register
+from kvsieve.policies.base import Policy, Slots, drop_in_bulk, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
 class KNormParams:
     recent: int = 0
     """Newest tokens never evicted (0, the paper's rule: none)."""
+    drop: int = 1
+    """Tokens evicted at once when a decode step fills the cache (1: one per step). The authors' code compresses
+    in bulk: when the cache reaches its limit it keeps a ratio of it, so new tokens live until the next compression.
+    """
 
 
 @register
@@ -39,6 +43,14 @@ class KNorm(Policy):
     def setup(self) -> None:
         if not 0 <= self.params.recent <= self.budget:
             raise ValueError(f"knorm: recent must be in [0, budget={self.budget}], got {self.params.recent}")
+        if not 1 <= self.params.drop <= self.budget + 1 - self.params.recent:
+            raise ValueError(
+                f"knorm: drop must be in [1, budget + 1 - recent = {self.budget + 1 - self.params.recent}], "
+                f"got {self.params.drop}"
+            )
+
+    def n_keep(self, n: int) -> int:
+        return drop_in_bulk(n, self.budget, self.params.drop)
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"priority": ((), torch.int64)}

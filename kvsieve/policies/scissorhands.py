@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import Observation, Policy, Slots, protect, recent_mask, register
+from kvsieve.policies.base import Observation, Policy, Slots, drop_in_bulk, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,7 @@ class Scissorhands(Policy):
         ring.copy_(torch.where(column.any(dim=1)[:, None, None, :], marks, ring))
 
     def n_keep(self, n: int) -> int:
-        if n <= self.budget:
-            return n
-        return self.budget if n - self.budget > 1 else n - self.drop
+        return drop_in_bulk(n, self.budget, self.drop)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         count = slots.state["low"].sum(dim=-1)
