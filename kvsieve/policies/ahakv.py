@@ -93,6 +93,23 @@ class AhaKV(Policy):
     ``γ̄ = γ / max γ``; applied to the contributions of multi-row steps (a prompt, or each chunk of a chunked
     prompt), over the slots held at that step.
 
+    Readings where the paper leaves room (parameters, all measured in ``kvsieve reproduce ahakv``):
+
+    - ``sgs_tokens``: the derivation assumes the row's softmax runs over all ``i`` tokens of the sequence; once
+      the cache is compressed it runs over at most ``B + 1``. Default ``"seen"`` (``i`` = the row's position + 1,
+      the paper's sequence length ``i``); ``"kept"`` counts the tokens in the softmax, which makes ``λ`` ≈ 0 at
+      every decode step (``i = B + 1``): nearly uniform scores, so the oldest kept tokens accumulate most.
+    - ``sgs_decode``: Alg. 1 accumulates SG-softmax scores at decode steps too (default ``True``); ``False``
+      applies SGS to the prompt only. The paper evaluates long prompts compressed once, followed by short answers,
+      where the two hardly differ.
+
+    Default: the reading closest to the paper's text (``seen``, SGS at decode). Measured on SmolLM2-135M (2,048
+    Wikipedia tokens, stream protocol, budget 10 % / 20 %; full 19.57): ahakv 24.95 / 21.62, ``sgs_tokens=kept``
+    28.09 / 24.76, ``sgs_decode=False`` 20.81 / 20.05, h2o 20.34 / 19.69. In the prefill protocol (the first
+    1,365 tokens compressed once, the other 682 scored; full 22.29) every reading gives 22.53 / 22.46, h2o 22.58 /
+    22.40: SGS at decode steps is where AhaKV loses to H2O, a case the paper's protocol (long prompts compressed
+    once, short answers) barely exercises.
+
     Ablations: ``ra=False`` accumulates every prompt row; ``sgs=False`` uses the plain probabilities;
     ``vpe=False`` sets ``γ̄ = 1``. Choices: a GQA group's query heads are scored separately (SG-softmax per head)
     and summed, as H2O does; padding queries add nothing.
