@@ -50,7 +50,7 @@ def test_knorm_drop_must_leave_room_outside_the_recent_window() -> None:
 
 
 def test_knorm_ties_keep_the_newer_token_whatever_the_slot_order() -> None:
-    policy = KNorm(2, KNormParams())
+    policy = KNorm(2, KNormParams(recent=0))
     keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])  # norms 1, 1, 2
     for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
         pos = torch.tensor([5, 2, 7])[order].view(1, 1, 3)
@@ -58,3 +58,9 @@ def test_knorm_ties_keep_the_newer_token_whatever_the_slot_order() -> None:
         slots = Slots(pos=pos, state=state, last=torch.tensor([7]), keys=keys[order].view(1, 1, 3, 2), values=keys)
         ranked = policy.keep_scores(slots)[0, 0].argsort(descending=True)
         assert pos[0, 0, ranked].tolist() == [5, 2, 7]
+
+
+@pytest.mark.parametrize(("budget", "recent"), [(8, 4), (64, 32), (409, 32)])
+def test_knorm_protects_a_recent_window_by_default(budget: int, recent: int) -> None:
+    assert KNorm(budget).recent == recent
+    assert KNorm(budget, KNormParams(recent=0)).recent == 0
