@@ -248,6 +248,21 @@ def cmd_analyze(args: argparse.Namespace) -> dict[str, Any]:
     return run_analysis(args.analysis, model, ids, out, progress=not args.json, about=about, **options)
 
 
+def cmd_reproduce(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.reproduce.runner import reproduce
+
+    return reproduce(
+        args.paper,
+        args.out,
+        quick=args.quick,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        compute=not args.report,
+        progress=not args.json,
+    )
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "data": cmd_data,
     "policies": cmd_policies,
@@ -260,4 +275,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "sweep": cmd_sweep,
     "lm-eval": cmd_lm_eval,
     "analyze": cmd_analyze,
+    "reproduce": cmd_reproduce,
 }

@@ -237,6 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
             a.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), help="(default: %(default)s)")
             a.add_argument("--budget", type=_budget, default=0.2, help="tokens or a ratio of the text (default 0.2)")
 
+    from kvsieve.reproduce import PAPERS
+
+    p = sub.add_parser(
+        "reproduce",
+        help="a paper's analyses, grids and ablations in one resumable command, with a report of its claims",
+        description="Runs what is missing of a paper's experiments (each under OUT/<experiment>/, resumable) and "
+        "writes OUT/report.md (a table of the paper's claims, each computed from the measured numbers, then the "
+        "tables and plots) and OUT/results.json. Papers: "
+        + "; ".join(f"{name}: {text}" for name, text in PAPERS.items()),
+    )
+    p.add_argument("paper", choices=list(PAPERS), metavar="PAPER", help=", ".join(PAPERS))
+    _common(p)
+    p.add_argument("--quick", action="store_true", help="small settings (about a minute): a smoke test of the plan")
+    p.add_argument("--out", help="output folder (default: out/reproduce/PAPER, out/reproduce/PAPER-quick with --quick)")
+    p.add_argument("--report", action="store_true", help="compute nothing: rebuild the report from the finished parts")
+
     p = sub.add_parser(
         "lm-eval",
         help="lm-evaluation-harness's own CLI with --model kvsieve available and the task pack included",
