@@ -59,6 +59,18 @@ def test_other_settings_or_new_cells_are_computed(tmp_path, fake_runner) -> None
     run_sweep(tmp_path, ["ppl"], ["h2o"], [0.1, 0.2], settings=Settings(limit=3), progress=False)
     run_sweep(tmp_path, ["ppl"], ["h2o"], [0.1], settings=Settings(limit=5), progress=False)
     assert [(c.budget, n) for c, n in zip(fake_runner, [3, 3, 5], strict=True)] == [(0.1, 3), (0.2, 3), (0.1, 5)]
+    run_sweep(tmp_path, ["ppl"], ["h2o"], [0.1], settings=Settings(limit=5, dtype="bfloat16"), progress=False)
+    assert len(fake_runner) == 4  # another dtype is another result
+
+
+def test_cells_written_before_a_setting_existed_count_as_its_default(tmp_path, fake_runner) -> None:
+    run_sweep(tmp_path, ["ppl"], ["h2o"], [0.1], settings=Settings(limit=3), progress=False)
+    (cell,) = (tmp_path / "cells").glob("*.json")
+    record = json.loads(cell.read_text())
+    del record["settings"]["dtype"]
+    cell.write_text(json.dumps(record))
+    run_sweep(tmp_path, ["ppl"], ["h2o"], [0.1], settings=Settings(limit=3), progress=False)
+    assert len(fake_runner) == 1
 
 
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner, monkeypatch) -> None:

@@ -203,11 +203,12 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
         args.tasks,
         args.policies or sweep.DEFAULT_POLICIES,
         args.budgets or sweep.DEFAULT_BUDGETS,
-        settings=sweep.Settings(model=args.model, limit=args.limit, protocol=args.protocol, ppl_tokens=args.ppl_tokens),
+        settings=sweep.Settings(
+            model=args.model, limit=args.limit, protocol=args.protocol, ppl_tokens=args.ppl_tokens, dtype=args.dtype
+        ),
         jobs=args.jobs,
         threads=args.threads,
         device=args.device,
-        dtype=args.dtype,
         progress=not args.json,
         compute=not args.report,
     )

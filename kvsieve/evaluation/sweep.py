@@ -93,21 +93,23 @@ class Settings:
     limit: int | None = None
     protocol: str = "stream"
     ppl_tokens: int = 1024
+    dtype: str | None = None
+    """The model's dtype (None: ``load_model``'s default, float32)."""
 
 
 class Runner:
     """Computes cells in one process; loads the model on first use."""
 
-    def __init__(self, settings: Settings, device: str | None = None, dtype: str | None = None) -> None:
+    def __init__(self, settings: Settings, device: str | None = None) -> None:
         self.settings = settings
-        self.device, self.dtype = device, dtype
+        self.device = device
         self._task_managers: dict[str, Any] = {}
 
     @cached_property
     def loaded(self) -> tuple[Any, Any]:
         from kvsieve.models import load_model
 
-        return load_model(self.settings.model, device=self.device, dtype=self.dtype)
+        return load_model(self.settings.model, device=self.device, dtype=self.settings.dtype)
 
     def run(self, cell: Cell) -> dict[str, Any]:
         """The metrics of ``cell`` (and ``n``, the number of examples or tokens scored)."""
@@ -168,10 +170,10 @@ class Runner:
 _WORKER: Runner | None = None
 
 
-def _init_worker(settings: Settings, device: str | None, dtype: str | None, threads: int) -> None:
+def _init_worker(settings: Settings, device: str | None, threads: int) -> None:
     global _WORKER
     torch.set_num_threads(threads)
-    _WORKER = Runner(settings, device, dtype)
+    _WORKER = Runner(settings, device)
 
 
 def _timed(runner: Runner, cell: Cell) -> tuple[Cell, dict[str, Any], float]:
@@ -209,7 +211,8 @@ def _load_cell(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | No
     if not path.exists():
         return None
     stored = json.loads(path.read_text())
-    return stored if stored.get("settings") == asdict(settings) else None
+    # (cells written before a setting existed were computed with its default)
+    return stored if {**asdict(Settings()), **stored.get("settings", {})} == asdict(settings) else None
 
 
 def _save_cell(out: Path, cell: Cell, settings: Settings, result: dict[str, Any], seconds: float) -> None:
@@ -231,7 +234,6 @@ def run_sweep(
     jobs: int = 1,
     threads: int | None = None,
     device: str | None = None,
-    dtype: str | None = None,
     progress: bool = True,
     compute: bool = True,
 ) -> SweepResult:
@@ -267,7 +269,7 @@ def run_sweep(
         if jobs == 1:
             if threads:
                 torch.set_num_threads(threads)
-            runner = Runner(settings, device, dtype)
+            runner = Runner(settings, device)
             for cell in todo:
                 done(*_timed(runner, cell))
         elif todo:
@@ -276,7 +278,7 @@ def run_sweep(
                 max_workers=jobs,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(settings, device, dtype, per_job),
+                initargs=(settings, device, per_job),
             ) as pool:
                 for future in as_completed([pool.submit(_work, cell) for cell in todo]):
                     done(*future.result())

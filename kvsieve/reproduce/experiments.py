@@ -137,7 +137,9 @@ class Grid(Experiment):
     def run(self, ctx: Context) -> Part:
         from kvsieve.evaluation.sweep import Settings, run_sweep
 
-        settings = Settings(model=ctx.model_name, limit=self.limit, protocol=self.protocol, ppl_tokens=self.ppl_tokens)
+        settings = Settings(
+            model=ctx.model_name, limit=self.limit, protocol=self.protocol, ppl_tokens=self.ppl_tokens, dtype=ctx.dtype
+        )
         result = run_sweep(
             ctx.out / self.name,
             self.tasks,
@@ -145,7 +147,6 @@ class Grid(Experiment):
             self.budgets,
             settings=settings,
             device=ctx.device,
-            dtype=ctx.dtype,
             progress=ctx.progress,
             compute=ctx.compute,
         )
