@@ -76,7 +76,9 @@ class AhaKV(Policy):
     - prompt (a step of several query rows): the sum of its SG-softmax attention over the step's last ``B_r`` rows
       only (**RA**, Recent Accumulation — every token of the prompt outside the window gets the same number of
       terms, which removes H2O's bias towards early tokens), times the value prior ``γ̄`` (**VPE**). Rows are
-      selected by position (``query_pos > last - B_r``), so a prompt scored in several row blocks is handled;
+      selected by position (``query_pos > last - B_r``), so a prompt scored in several row blocks is handled.
+      Eq. 5 writes the sum over ``i = n - r .. n``; we read it as the last ``r = B_r`` rows (the rows of the
+      recent window, whose tokens are kept anyway), not ``r + 1``;
     - decode: ``F_t = SGsoftmax(A_t) + F_{t-1}`` over the kept tokens.
 
     **SGS** (step-gain softmax). A row that has seen ``i`` tokens scores them with ``softmax(λ q·k)``,
