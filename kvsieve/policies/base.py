@@ -42,6 +42,13 @@ PROTECTED = torch.iinfo(torch.long).max
 SCORE_STATE: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"score": ((), torch.float32)}
 """The per-slot state of policies that accumulate one fp32 score per token."""
 
+
+def accumulate(score: torch.Tensor, gain: torch.Tensor) -> None:
+    """``score`` ``[B, H, N]`` += ``gain`` ``[B, H, b, N]`` summed over its query rows (a decode step's one row
+    added without a reduction)."""
+    score += gain[:, :, 0] if gain.shape[2] == 1 else gain.sum(dim=2)
+
+
 REGISTRY: dict[str, type[Policy]] = {}
 """Registered policies by name (filled by :func:`register` as the policy modules are imported)."""
 P = TypeVar("P", bound="type[Policy]")

@@ -8,7 +8,16 @@ from typing import Literal
 
 import torch
 
-from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, protect, recent_mask, register
+from kvsieve.policies.base import (
+    SCORE_STATE,
+    Observation,
+    Policy,
+    Slots,
+    accumulate,
+    protect,
+    recent_mask,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class H2O(Policy):
             probs = obs.logits.softmax(dim=-1)
             marginal = (h(torch.ones_like(probs)) - h(1 - probs)).sum(dim=2)
             gain = marginal * (obs.query_pos >= 0)[:, None, :, None]
-        slots.state["score"] += gain[:, :, 0] if gain.shape[2] == 1 else gain.sum(dim=2)  # (a decode step: one row)
+        accumulate(slots.state["score"], gain)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         score = slots.state["score"]

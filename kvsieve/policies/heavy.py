@@ -9,7 +9,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvsieve.policies.base import SCORE_STATE, Observation, Policy, PositionalPolicy, Slots, protect, register
+from kvsieve.policies.base import (
+    SCORE_STATE,
+    Observation,
+    Policy,
+    PositionalPolicy,
+    Slots,
+    accumulate,
+    protect,
+    register,
+)
 from kvsieve.policies.fixed import Fixed
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.local import Local
@@ -55,12 +64,7 @@ class HeavyHitters(Policy):
         if not 0.0 <= ratio < 1.0:
             raise ValueError(f"{self.name}: heavy_ratio must be in [0, 1), got {ratio}")
         self.heavy = int(self.budget * ratio)
-        self.share = self.budget - self.heavy
-        if self.share < 1:
-            raise ValueError(
-                f"{self.name}: the {self.base.name} pattern's share of the budget (budget {self.budget} - heavy "
-                f"{self.heavy}) must be at least 1"
-            )
+        self.share = self.budget - self.heavy  # >= 1, since heavy_ratio < 1
         names = [f.name for f in dataclasses.fields(self.base.Params)]
         base_params = self.base.Params(**{name: getattr(self.params, name) for name in names})
         try:
@@ -74,8 +78,7 @@ class HeavyHitters(Policy):
         return SCORE_STATE
 
     def observe(self, slots: Slots, obs: Observation) -> None:
-        probs = obs.probs  # the group-summed probabilities; rows of padding queries are zero
-        slots.state["score"] += probs[:, :, 0] if probs.shape[2] == 1 else probs.sum(dim=2)
+        accumulate(slots.state["score"], obs.probs)  # group-summed; rows of padding queries are zero
 
     def pattern_kept(self, slots: Slots) -> torch.Tensor:
         """``[B, H, N]`` bool: the slots the base pattern keeps at ``budget - heavy`` among the real ones."""
