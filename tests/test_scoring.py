@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvsieve
+from kvsieve.engine import layer as layer_module
 from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.stream import plan_chunks
 from kvsieve.evaluation.perplexity import context_perplexity, stream_logits, stream_perplexity
@@ -40,8 +41,8 @@ def test_whole_sequence_equals_token_by_token_on_a_tiny_model(policy, llama_gqa,
 @pytest.mark.parametrize("policy", sorted(REGISTRY))
 def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, make_ids, monkeypatch):
     """The stream protocol from the first token (as lm-eval runs it): position-only policies in closed form (one
-    chunk of 64 here), row-additive policies and policies that never observe attention with the tokens before the
-    first eviction as one chunk, the others step by step."""
+    chunk), row-additive policies and policies that never observe attention with the tokens before the
+    first eviction as one chunk, the tokens after it (all tokens, for the others) as one scanned run."""
     ids = make_ids(2, 40)
     with torch.no_grad():
         cache = kvsieve.make_cache(llama_gqa, policy, 16)
@@ -49,6 +50,7 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
         kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
         steps = []
         monkeypatch.setattr(SieveLayer, "_step", _counting(SieveLayer._step, steps))
+        monkeypatch.setattr(layer_module, "scan", _counting(layer_module.scan, steps, scanned=True))
         cache = kvsieve.make_cache(llama_gqa, policy, 16, stream=True)
         whole = llama_gqa(ids, past_key_values=cache).logits
     torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
@@ -57,8 +59,8 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
     cls = REGISTRY[policy]
     chunked = cls.row_additive or not cls.needs_attention
     closed_form = isinstance(cache.layers[0].policy, SinkWindow)
-    per_layer = 1 if not cls.bounded or closed_form else 1 + 40 - 16 if chunked else 40
-    assert len(steps) == per_layer * len(cache.layers)
+    per_layer = [40] if not cls.bounded or closed_form else [16, -24] if chunked else [-40]
+    assert steps == per_layer * len(cache.layers)
 
 
 @pytest.mark.parametrize("policy", ["local", "streaming_llm", "h2o", "ahakv"])
@@ -91,9 +93,11 @@ def test_stream_of_a_left_padded_batch_equals_token_by_token(policy, llama_gqa, 
         assert torch.equal(a, b)
 
 
-def _counting(step, calls: list[int]):
+def _counting(step, calls: list[int], scanned: bool = False):
+    """``step`` recording its chunk's tokens in ``calls`` (negative for a scanned run)."""
+
     def counted(self, chunk, *args, **kwargs):
-        calls.append(chunk.keys.shape[2])
+        calls.append(-chunk.keys.shape[2] if scanned else chunk.keys.shape[2])
         return step(self, chunk, *args, **kwargs)
 
     return counted

@@ -31,6 +31,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
 from kvsieve.engine.plan import PolicyPlan, StepMemo
 from kvsieve.engine.rope import Rotary, ranks
+from kvsieve.engine.scan import run_length, scan, scannable
 from kvsieve.engine.slot_attention import AttentionArgs, Visibility, fused_attention, observed_attention
 from kvsieve.engine.storage import SlotStore
 from kvsieve.engine.stream import plan_chunks
@@ -246,19 +247,41 @@ class SieveLayer(CacheLayerMixin):
         columns = self._columns(mask.padding) if args.weights else None
         if not self.record_past:
             self.recording = None
-        outputs = []
-        for start, end in pairwise(chunks.bounds):
+        outputs, pairs, i = [], list(pairwise(chunks.bounds)), 0
+        while i < len(pairs):
+            start, end = pairs[i]
+            run = self._run(pairs, i, step, args)
+            if run > 1:  # single tokens, scanned together
+                end = pairs[i + run - 1][1]
+                outputs.append((scan(self, step[start:end], args), None))
+                i += run
+                continue
             chunk = step if len(chunks.bounds) == 2 else step[start:end]  # (a decode step: no slicing)
             if self.record_past and start >= prompt:  # (a single token: see plan_chunks)
                 if self.recording is None:
                     self.recording = Recording(self.store.copy(), self.newest.clone(), self.tokens_seen - q + start)
                 self.recording.tokens.append((chunk, args))
             outputs.append(self._step(chunk, args, chunks.closed_form, start, columns))
+            i += 1
         outs, weights = zip(*outputs, strict=True)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if not args.weights:
             return out, None
         return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=2)
+
+    def _run(self, pairs: list[tuple[int, int]], i: int, step: Chunk, args: AttentionArgs) -> int:
+        """How many chunks from ``pairs[i]`` on are single tokens to scan together (:mod:`kvsieve.engine.scan`);
+        1 when ``pairs[i]`` is to be stepped alone."""
+        if self.record_past or pairs[i][1] - pairs[i][0] != 1:
+            return 1
+        run = 1
+        while i + run < len(pairs) and pairs[i + run][1] - pairs[i + run][0] == 1:
+            run += 1
+        run = min(run, run_length(self, step.query, run))
+        start = pairs[i][0]
+        if run < 2 or not scannable(self, step[start : start + run], args):
+            return 1
+        return run
 
     def _step(
         self,

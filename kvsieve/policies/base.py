@@ -379,7 +379,7 @@ def drop_in_bulk(n: int, budget: int, drop: int) -> int:
 
 def protect(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``priority`` with the slots of ``mask`` always kept (``+inf``, or :data:`PROTECTED` for an integer one)."""
-    return priority.masked_fill(mask, float("inf") if priority.is_floating_point() else PROTECTED)
+    return torch.where(mask, float("inf") if priority.is_floating_point() else PROTECTED, priority)
 
 
 def in_position_order(pos: torch.Tensor, fn: Callable[..., torch.Tensor], *values: torch.Tensor) -> torch.Tensor:

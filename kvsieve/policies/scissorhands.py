@@ -91,9 +91,14 @@ class Scissorhands(Policy):
         else:
             t = allowed.sum(dim=-1, keepdim=True)
         low = allowed & (probs < obs.logits.shape[2] / t)  # [B, H, b, N]
+        ring = slots.state["low"]
+        if low.shape[2] == 1:  # one row (a decode step): it rewrites its own column, a padding row nothing
+            column = (query_pos.clamp(min=0) % w)[:, None, :, None].expand(*ring.shape[:3], 1)
+            real = (query_pos >= 0)[:, None, :, None]
+            ring.scatter_(3, column, torch.where(real, low.transpose(2, 3), ring.gather(3, column)))
+            return
         column = F.one_hot(query_pos.clamp(min=0) % w, w) * (query_pos >= 0)[..., None]  # [B, b, w]
         marks = torch.einsum("bhrn,brc->bhnc", low.float(), column.float()) > 0
-        ring = slots.state["low"]
         ring.copy_(torch.where(column.any(dim=1)[:, None, None, :], marks, ring))
 
     def n_keep(self, n: int) -> int:

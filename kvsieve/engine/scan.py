@@ -1,0 +1,145 @@
+"""The stream protocol's per-token work for a run of tokens, with the heavy algebra batched over the run.
+
+Fed one at a time, each token of a run is stored, attends over the kept slots, is observed by the policy and
+makes the policy evict. Only the choice of victims is sequential: every token's query, key and value are known
+when the run starts (the layer's input is the previous layer's output for the whole run). So a *scan*:
+
+1. appends all the run's tokens at once, as empty slots (position -1), and computes every query's logits over
+   every slot in one matrix product;
+2. then, token by token, reveals the token's slot, lets the policy observe its query's probabilities (the logits
+   of the slots held at that moment, softmaxed) and evicts by the policy's priorities, marking the victims' slots
+   empty (position -1) instead of moving anything — the policy sees an ordinary layer with a few empty slots;
+3. computes every query's output in one masked product over what it saw, and gathers the survivors into buffers
+   of the budget.
+
+The logits and the kept slots are those of feeding the tokens one at a time (tests: every policy, against the
+token-by-token engine). Position-only policies (:class:`~kvsieve.policies.base.PositionalPolicy`) share the whole
+run's decisions between the layers of a group: only the first one steps through the run.
+
+A run can be scanned when its tokens and the layer's slots hold no padding, positions are not rolled, the layer
+has no window, and the attention needs nothing the scan does not compute (soft-capping, sinks, returned
+weights); otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvsieve.engine.slot_attention import AttentionArgs
+from kvsieve.policies import Observation, Slots
+
+if TYPE_CHECKING:
+    from kvsieve.engine.layer import Chunk, SieveLayer
+
+SCAN_ELEMENTS = 1 << 22
+"""Most logits (``[B, Hq, run, slots]``) of one scanned run; longer runs are cut."""
+MIN_RUN = 8
+
+
+def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
+    """Whether ``chunk``'s tokens, fed one at a time to ``layer`` now, can be scanned (see the module docstring)."""
+    store = layer.store
+    return (
+        chunk.padding is None
+        and not store.may_hold_padding
+        and layer.rotary is None
+        and args.window is None
+        and not args.explicit
+        and layer.policy.bounded
+        and not layer.policy.narrows
+    )
+
+
+def run_length(layer: SieveLayer, query: torch.Tensor, remaining: int) -> int:
+    """Tokens of the next scanned run: at most :data:`SCAN_ELEMENTS` logits."""
+    bsz, heads = query.shape[:2]
+    budget = layer.store.used + remaining
+    return max(MIN_RUN, min(remaining, SCAN_ELEMENTS // max(1, bsz * heads * budget)))
+
+
+def _logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[B, Hkv, G, c, N]`` scaled logits of ``query`` ``[B, Hq, c, D]`` over ``keys`` ``[B, Hkv, N, D]``, in fp32
+    (fp64 for a fp64 model)."""
+    bsz, n_q, c, dim = query.shape
+    n_kv, n = keys.shape[1], keys.shape[2]
+    q_fold = (query * scaling).reshape(bsz * n_kv, n_q // n_kv * c, dim)
+    logits = torch.bmm(q_fold, keys.transpose(-1, -2).reshape(bsz * n_kv, dim, n))
+    return logits.to(torch.promote_types(query.dtype, torch.float32)).view(bsz, n_kv, n_q // n_kv, c, n)
+
+
+def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
+    """Feed ``chunk``'s ``c`` tokens to ``layer`` one at a time (see the module docstring); their attention output
+    ``[B, Hq, c, D]``."""
+    store, policy = layer.store, layer.policy
+    if store.stale is not None:
+        store.compact()
+    bsz, heads, c = chunk.keys.shape[:3]
+    first = store.used
+    query_pos = layer.newest[:, None] + torch.arange(1, c + 1, device=layer.device)  # [B, c]
+    new_pos = query_pos[:, None, :].expand(-1, heads, -1)
+    store.append(chunk.keys, chunk.values, torch.full_like(new_pos, -1), policy.initial_state(chunk.keys, new_pos))
+    n = store.used
+    keys, values, pos = store.keys[:, :, :n], store.values[:, :, :n], store.positions[:, :, :n]
+    state = {name: t[:, :, :n] for name, t in store.state.items()}
+    logits = _logits(chunk.query, keys, args.scaling) if policy.needs_attention else None
+    decide = lambda: _decide(layer, pos, state, keys, values, query_pos, new_pos, logits)  # noqa: E731
+    gone, kept = layer.memo.decide(layer.plan.groups[layer.layer_idx], ("run", layer.eviction_rounds), decide)
+    layer.eviction_rounds += c
+    if logits is None:
+        logits = _logits(chunk.query, keys, args.scaling)
+    probs = logits.masked_fill(gone[:, :, None], float("-inf")).softmax(dim=-1)
+    weights = probs.reshape(bsz * heads, -1, n).to(values.dtype)
+    out = torch.bmm(weights, values.reshape(bsz * heads, n, -1)).view(*chunk.query.shape[:3], -1)
+    layer.newest = query_pos[:, -1]
+    pos[:, :, first:] = new_pos  # (the layers that took a group's decisions revealed nothing)
+    if kept is not None:
+        store.keep(kept)
+    return out
+
+
+def _decide(
+    layer: SieveLayer,
+    pos: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_pos: torch.Tensor,
+    new_pos: torch.Tensor,
+    logits: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step through the run: reveal, observe, evict. Returns what each query could not see ``[B, H, c, N]`` and
+    the slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
+    policy = layer.policy
+    c, first = query_pos.shape[1], pos.shape[2] - query_pos.shape[1]
+    held, evicted, gones = first, 0, []
+    for i, (last, revealed) in enumerate(zip(query_pos.unbind(1), new_pos.unbind(2), strict=True)):
+        pos[:, :, first + i] = revealed
+        held += 1
+        gone = pos < 0
+        gones.append(gone)
+        slots = Slots(pos, state, last, keys, values)
+        if logits is not None:
+            step_logits = torch.where(gone[:, :, None, None], float("-inf"), logits[:, :, :, i : i + 1])
+            step_probs = step_logits.softmax(dim=-1)
+            observation = Observation(step_probs.sum(dim=2), step_logits, last[:, None], 1, key_pos=pos)
+            policy.observe(slots, observation)
+        target = policy.n_keep(held)
+        if target >= held:
+            continue
+        scores = policy.keep_scores(slots)
+        highest = float("inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).max
+        scores = torch.where(gone, highest, scores)  # (torch.where: a fraction of masked_fill's time here)
+        if held - target == 1:
+            victims = scores.argmin(dim=-1, keepdim=True)
+        else:
+            victims = scores.topk(held - target, dim=-1, largest=False, sorted=False).indices
+        pos.scatter_(2, victims, -1)
+        evicted += held - target
+        held = target
+    gone = torch.stack(gones, dim=2)
+    if not evicted:
+        return gone, None
+    kept = (pos >= 0).to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :, :held]
+    return gone, kept.sort(dim=-1).values
