@@ -84,8 +84,11 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
     keys, values, pos = store.keys[:, :, :n], store.values[:, :, :n], store.positions[:, :, :n]
     state = {name: t[:, :, :n] for name, t in store.state.items()}
     logits = _logits(chunk.query, keys, args.scaling) if policy.needs_attention else None
-    decide = lambda: _decide(layer, pos, state, keys, values, query_pos, new_pos, logits)  # noqa: E731
-    gone, kept = layer.memo.decide(layer.plan.groups[layer.layer_idx], ("run", layer.eviction_rounds), decide)
+    gone, kept = layer.memo.decide(
+        layer.plan.groups[layer.layer_idx],
+        ("run", layer.eviction_rounds),
+        lambda: _decide(layer, pos, state, keys, values, query_pos, new_pos, logits),
+    )
     layer.eviction_rounds += c
     if logits is None:
         logits = _logits(chunk.query, keys, args.scaling)
@@ -112,7 +115,7 @@ def _decide(
     """Step through the run: reveal, observe, evict. Returns what each query could not see ``[B, H, c, N]`` and
     the slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
     policy = layer.policy
-    c, first = query_pos.shape[1], pos.shape[2] - query_pos.shape[1]
+    first = pos.shape[2] - query_pos.shape[1]
     held, evicted, gones = first, 0, []
     for i, (last, revealed) in enumerate(zip(query_pos.unbind(1), new_pos.unbind(2), strict=True)):
         pos[:, :, first + i] = revealed
