@@ -19,12 +19,14 @@ from kvsieve.benchmarks.defaults import (
     DEFAULT_POLICIES,
     DEFAULT_REPEATS,
     PRESETS,
+    STREAM_ENGINE,
 )
 from kvsieve.benchmarks.eviction_overhead import BUDGET, evaluate_checks, preset_plan
 from kvsieve.benchmarks.grid import make_plan, run_bench
 from kvsieve.benchmarks.memory import reset_peak_rss
 from kvsieve.benchmarks.report import plot_decode
 from kvsieve.benchmarks.runner import prompt_tokens
+from kvsieve.benchmarks.stream_engine import LENGTH, stream_engine
 from kvsieve.engine.budget import Budget
 
 
@@ -43,9 +45,12 @@ def benchmark(
     title: str = "",
 ) -> dict[str, Any]:
     """The whole ``kvsieve bench``: the grid (or, with ``preset``, exactly the preset's cells at its budget), the
-    checks of the ``eviction-overhead`` preset, the largest batches under ``mem_cap_gb`` and the plot."""
+    checks of the ``eviction-overhead`` preset, the largest batches under ``mem_cap_gb`` and the plot; the
+    ``stream-engine`` preset is its own measurement (:mod:`kvsieve.benchmarks.stream_engine`)."""
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
+    if preset == STREAM_ENGINE:
+        return stream_engine(model, prompt_tokens(tokenizer, LENGTH), repeats=repeats, progress=progress)
     plan = preset_plan() if preset else make_plan(lengths, batches, policies)
     budget = BUDGET if preset else budget
     tokens = prompt_tokens(tokenizer, max(point.prompt for point, _ in plan))

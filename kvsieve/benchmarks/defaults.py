@@ -11,4 +11,6 @@ DEFAULT_REPEATS = 3
 EVICTION_OVERHEAD = "eviction-overhead"
 """The preset of :mod:`kvsieve.benchmarks.eviction_overhead`: fixed cells at budget 512 and the checks of what
 eviction costs against the floor and saves against the full cache."""
-PRESETS = (EVICTION_OVERHEAD,)
+STREAM_ENGINE = "stream-engine"
+"""The preset of :mod:`kvsieve.benchmarks.stream_engine`: the whole-sequence engine vs one forward per token."""
+PRESETS = (EVICTION_OVERHEAD, STREAM_ENGINE)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvsieve.benchmarks.defaults import EVICTION_OVERHEAD
+from kvsieve.benchmarks.defaults import EVICTION_OVERHEAD, STREAM_ENGINE
 from kvsieve.benchmarks.memory import MIB
 from kvsieve.benchmarks.runner import DYNAMIC, FLOOR, REFERENCES, Cell, find_cells
 from kvsieve.evaluation.plots import pyplot, save_figure
@@ -70,6 +70,18 @@ def format_report(result: dict[str, Any]) -> str:
         ]  # fmt: skip
         lines += _table(["op", "calls/step", "self ms/step", "total ms/step", "self share"], body)
         return "\n".join(lines)
+    if "stream_engine" in result:
+        lines.append(
+            f"stream of {result['length']} tokens at budget {result['budget']}, {result['threads']} thread(s), "
+            f"{result['repeats']} round(s): whole-sequence engine vs one forward per token"
+        )
+        body = [
+            [r["policy"], f"{r['whole_tok_s']:.1f}", f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.1f}x",
+             f"{r['ppl_whole']:.3f}", f"{r['ppl_whole_prefix']:.4f}", f"{r['ppl_decode_prefix']:.4f}"]
+            for r in result["stream_engine"]
+        ]  # fmt: skip
+        header = ["policy", "whole tok/s", "decode tok/s", "speed-up", "ppl", "ppl prefix whole", "ppl prefix decode"]
+        return "\n".join(lines + _table(header, body) + _checks(result["checks"], STREAM_ENGINE))
     body = []
     for c in result["cells"]:
         floor, full = c["ratios"].get(f"vs_{FLOOR}"), c["ratios"].get(f"vs_{DYNAMIC}")
@@ -104,13 +116,18 @@ def format_report(result: dict[str, Any]) -> str:
             f"{row['policy']} {row['max_batch']} (predicted peak {row['predicted_peak_mb']:.0f} MiB{verified}{verdict})"
             + (f" [{row['note']}]" if row["note"] else "")
         )
-    lines.append(f"checks of the {EVICTION_OVERHEAD} preset:")
-    for check in result["checks"]:
-        mark = {True: "pass", False: "FAIL", None: "n/a"}[check["passed"]]
-        lines.append(f"  [{mark}] {check['check']}: {check['measured']}")
+    lines += _checks(result["checks"], EVICTION_OVERHEAD)
     lines.append(
         f"(medians of {result['repeats']} rounds, decode steps in lockstep; {result['threads']} torch threads on "
         f"{result['device']}, load average {result['load_avg']:.1f} at the start; peak RSS per run: "
         f"{result['rss_method']})"
     )
     return "\n".join(lines)
+
+
+def _checks(checks: list[dict[str, Any]], preset: str) -> list[str]:
+    """A preset's checks, one line each."""
+    marks = {True: "pass", False: "FAIL", None: "n/a"}
+    return [f"checks of the {preset} preset:"] + [
+        f"  [{marks[c['passed']]}] {c['check']}: {c['measured']}" for c in checks
+    ]

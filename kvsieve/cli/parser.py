@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         choices=bench_defaults.PRESETS,
-        help="run exactly a preset's cells; eviction-overhead: h2o and the policies without attention probabilities "
-        "at budget 512, batch 1, checked against the floor and DynamicCache",
+        help="run exactly a preset's cells; eviction-overhead: every policy at budget 512, batch 1, checked against "
+        "the floor and DynamicCache; stream-engine: every policy's whole-sequence stream vs one forward per token",
     )
     p.add_argument("--mem-cap-gb", type=POSITIVE, help="also the largest batch under this memory, full vs each policy")
     p.add_argument("--profile", action="store_true", help="only profile h2o decode steps (budget 512, 2048 prompt)")

@@ -117,17 +117,21 @@ def _decide(
     policy = layer.policy
     first = pos.shape[2] - query_pos.shape[1]
     held, evicted, gones = first, 0, []
-    for i, (last, revealed) in enumerate(zip(query_pos.unbind(1), new_pos.unbind(2), strict=True)):
-        pos[:, :, first + i] = revealed
+    # Views made once for the whole run (indexing costs more than the arithmetic on tensors this small).
+    columns = pos[:, :, first:].unbind(2)
+    step_logits = [None] * len(columns) if logits is None else logits.split(1, dim=3)
+    wide_pos = pos[:, :, None, None]
+    steps = zip(query_pos.unbind(1), query_pos.split(1, dim=1), new_pos.unbind(2), columns, step_logits, strict=True)
+    for last, step_pos, revealed, column, step_logit in steps:
+        column.copy_(revealed)
         held += 1
-        gone = pos < 0
+        wide_gone = wide_pos < 0
+        gone = wide_gone.view(pos.shape)
         gones.append(gone)
         slots = Slots(pos, state, last, keys, values)
-        if logits is not None:
-            step_logits = torch.where(gone[:, :, None, None], float("-inf"), logits[:, :, :, i : i + 1])
-            step_probs = step_logits.softmax(dim=-1)
-            observation = Observation(step_probs.sum(dim=2), step_logits, last[:, None], 1, key_pos=pos)
-            policy.observe(slots, observation)
+        if step_logit is not None:
+            masked = torch.where(wide_gone, float("-inf"), step_logit)
+            policy.observe(slots, Observation(masked.softmax(dim=-1).sum(dim=2), masked, step_pos, 1, key_pos=pos))
         target = policy.n_keep(held)
         if target >= held:
             continue
