@@ -16,8 +16,8 @@ The logits and the kept slots are those of feeding the tokens one at a time (tes
 token-by-token engine). Position-only policies (:class:`~kvsieve.policies.base.PositionalPolicy`) share the whole
 run's decisions between the layers of a group: only the first one steps through the run.
 
-A run can be scanned when its tokens and the layer's slots hold no padding, positions are not rolled, the layer
-has no window, and the attention needs nothing the scan does not compute (soft-capping, sinks, returned
+A run can be scanned when its tokens and the layer's slots hold no padding (a left-padded batch's runs once the
+padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing the scan does not compute (soft-capping, sinks, returned
 weights); otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`).
 """
 
@@ -42,7 +42,7 @@ def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
     """Whether ``chunk``'s tokens, fed one at a time to ``layer`` now, can be scanned (see the module docstring)."""
     store = layer.store
     return (
-        chunk.padding is None
+        (chunk.padding is None or bool(chunk.padding.all()))
         and not store.may_hold_padding
         and layer.rotary is None
         and args.window is None
