@@ -17,8 +17,8 @@ token-by-token engine). Position-only policies (:class:`~kvsieve.policies.base.P
 run's decisions between the layers of a group: only the first one steps through the run.
 
 A run can be scanned when its tokens and the layer's slots hold no padding (a left-padded batch's runs once the
-padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing the scan does not compute (soft-capping, sinks, returned
-weights); otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`).
+padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing
+the scan does not compute (soft-capping, sinks, returned weights); otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`).
 """
 
 from __future__ import annotations
