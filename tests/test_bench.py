@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from kvsieve.benchmarks import bench, capacity, eviction_overhead, grid, memory, profile, report, runner
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.cli import main
+from kvsieve.policies import REGISTRY
 
 REQUIRED = (
     "policy",
@@ -236,17 +237,20 @@ def test_eviction_overhead_checks_from_cells():
     full_kv = 8191 * 1000
     cells = [
         _cell("dynamic_full", 7936, {}, kv_bytes=full_kv),
-        _cell("h2o", 7936, _vs(1.08, 1.7, 1.4), kv_bytes=512 * 1000 * 101 // 100, state_bytes=5),
+        _cell("h2o", 7936, _vs(1.08, 1.7, 1.14), kv_bytes=512 * 1000 * 101 // 100, state_bytes=5),
         _cell("h2o", 2048, _vs(1.05)),
-        _cell("local", 2048, _vs(1.04)),
+        _cell("local", 2048, _vs(1.02)),
         _cell("streaming_llm", 2048, _vs(1.03)),
         _cell("local", 256, _vs(9.0), gen=32),  # holds fewer tokens than the budget: no check counts it
     ]
     assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True] * 5
     cells[1].kv_bytes = 512 * 1000 * 103 // 100
     cells[1].ratios["vs_dynamic_full"]["decode_tok_s"] = 1.5
-    cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.07
+    cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.05
     assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True, False, True, False, False]
+    cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.09  # over every policy's bound too
+    cells[1].ratios["vs_dynamic_full"]["prefill_s"] = 1.2  # an observing policy's prefill over 1.15x sdpa's
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)][:3] == [False, False, False]
     cells[1].rss_growth_mb = 2000.0  # 10x the growth at 2048 tokens for 3.9x the tokens: superlinear
     assert eviction_overhead.evaluate_checks(cells)[2].passed is False
     assert [c.passed for c in eviction_overhead.evaluate_checks([])] == [None] * 5
@@ -255,12 +259,15 @@ def test_eviction_overhead_checks_from_cells():
 def test_eviction_overhead_preset_runs_its_cells_at_batch_1(tiny):
     plan = eviction_overhead.preset_plan()
     assert [(p.prompt, p.gen, p.batch) for p, _ in plan] == [(512, 32, 1), (2048, 256, 1), (7936, 256, 1)]
+    bounded = [name for name, cls in REGISTRY.items() if cls.bounded]
     assert [names for _, names in plan] == [
         ["dynamic_full", "floor", "h2o"],
-        ["dynamic_full", "floor", "h2o", *eviction_overhead.NO_ATTENTION],
-        ["dynamic_full", "floor", "h2o"],
+        ["dynamic_full", "floor", *bounded],
+        ["dynamic_full", "floor", *bounded],
     ]
-    assert {"local", "streaming_llm"} <= set(eviction_overhead.NO_ATTENTION)
+    assert {"local", "streaming_llm", "strided"} <= set(eviction_overhead.POSITIONAL)
+    assert {"h2o", "scissorhands", "ahakv", "tova", "snapkv"} <= set(eviction_overhead.OBSERVING)
+    assert "knorm" not in eviction_overhead.POSITIONAL + eviction_overhead.OBSERVING
     with pytest.raises(ValueError, match="unknown preset"):
         bench.benchmark(tiny, None, preset="nope")
 

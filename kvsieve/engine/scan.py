@@ -18,7 +18,8 @@ run's decisions between the layers of a group: only the first one steps through 
 
 A run can be scanned when its tokens and the layer's slots hold no padding (a left-padded batch's runs once the
 padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing
-the scan does not compute (soft-capping, sinks, returned weights); otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`).
+the scan does not compute (soft-capping, sinks, returned weights); otherwise the layer steps through it chunk by
+chunk (:meth:`SieveLayer._step`).
 """
 
 from __future__ import annotations
