@@ -63,9 +63,12 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
     assert steps == per_layer * len(cache.layers)
 
 
-@pytest.mark.parametrize("policy", ["local", "streaming_llm", "h2o", "ahakv"])
+@pytest.mark.parametrize(
+    "policy", ["local", "streaming_llm", "h2o", "ahakv", "scissorhands", "strided", "knorm", "tova"]
+)
 def test_stream_of_a_left_padded_batch_equals_token_by_token(policy, llama_gqa, make_ids):
-    """Several closed-form chunks (150 tokens, budget 16) and a row with 7 padding tokens first."""
+    """Several closed-form chunks or scanned runs (150 tokens, budget 16; runs of at most 64 tokens, the first ones
+    stepped token by token until the padding slots are evicted) and a row with 7 padding tokens first."""
     ids = make_ids(2, 150)
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
