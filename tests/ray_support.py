@@ -66,9 +66,9 @@ def _attempts(log: Path) -> list[tuple[str, int]]:
     return [(key, int(pid)) for key, pid in (line.split() for line in log.read_text().splitlines())]
 
 
-def faults(args: dict[str, Any]) -> dict[str, Any]:
-    """On one local Ray: a sweep with a killed worker and a cell that always raises; a rerun after a cell file is
-    deleted; a sweep interrupted (Ctrl-C) while a cell hangs."""
+def local(args: dict[str, Any]) -> dict[str, Any]:
+    """On one local Ray: a sweep; a sweep with a killed worker and a cell that always raises; its rerun after a cell
+    file is deleted; a sweep interrupted (Ctrl-C) while a cell hangs."""
     import ray
 
     from kvsieve.evaluation import sweep
@@ -99,6 +99,13 @@ def faults(args: dict[str, Any]) -> dict[str, Any]:
     options = RayOptions(max_retries=1)
     found: dict[str, Any] = {}
     try:
+        plan_file.write_text(json.dumps({"log": str(log), "faults": {}}))
+        plain = sweep.run_sweep(work / "plain", *grid, settings=settings, ray=options, progress=False)
+        cells = {p.stem: json.loads(p.read_text()) for p in (work / "plain" / "cells").glob("*.json")}
+        found["plain"] = {"rows": plain.rows, "computed": plain.computed, "cells": cells}
+
+        log.unlink()
+        writes.clear()
         plan_file.write_text(json.dumps({"log": str(log), "faults": args["faults"]}))
         first = sweep.run_sweep(work / "out", *grid, settings=settings, ray=options, progress=False)
         found["first"] = {
@@ -120,7 +127,7 @@ def faults(args: dict[str, Any]) -> dict[str, Any]:
             "log": _attempts(log),
         }
 
-        hang = sweep.Cell("ppl", args["policies"][-1], args["budgets"][0])
+        hang = sweep.Cell("ppl", args["policies"][-1], args["budgets"][-1])
         plan_file.write_text(json.dumps({"log": str(log), "faults": {hang.key: "hang"}}))
         log.unlink()
         writes.clear()
@@ -217,5 +224,5 @@ def _wait(ready: Any) -> None:
 
 if __name__ == "__main__":
     scenario, raw = sys.argv[1:]
-    found = {"faults": faults, "cluster": cluster}[scenario](json.loads(raw))
+    found = {"local": local, "cluster": cluster}[scenario](json.loads(raw))
     print("\n" + json.dumps(found))  # (the last line: Ray may print before)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from ray_support import TIMEOUT_S, loopback_command
 from kvsieve.cli import main
 from kvsieve.evaluation.sweep import Settings, run_sweep
 
-pytestmark = pytest.mark.slow  # (each test starts Ray: 10-40 s on the shared 2-core machine)
+slow = pytest.mark.slow  # (starts Ray: a minute on the shared 2-core machine)
 
 POLICIES = ["full", "h2o", "local"]
 BUDGETS = [0.25, 0.5]
@@ -91,22 +92,7 @@ def _cells(out: Path) -> dict[str, dict[str, Any]]:
     return {path.stem: json.loads(path.read_text()) for path in (out / "cells").glob("*.json")}
 
 
-def test_a_local_ray_gives_the_in_process_results(tiny_dir, in_process, tmp_path) -> None:
-    run = _in_loopback(
-        [sys.executable, "-m", "kvsieve.cli", "sweep", "--json", "--ray", *_sweep_args(tiny_dir, tmp_path)]
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout)
-    assert result["computed"] == 5  # full once (the two 100 % cells share it) + 2 bounded policies × 2 budgets
-    _same(result["rows"], in_process)
-    cells = _cells(tmp_path)
-    assert len(cells) == 5 and all(len(cell["node"]) == 56 for cell in cells.values())  # (Ray's node id, in hex)
-    assert not list((tmp_path / "cells").glob("*.partial"))
-
-    # the same files as the in-process sweep: --report reads them without Ray
-    assert main(["sweep", "--report", "--json", *_sweep_args(tiny_dir, tmp_path)]) == 0
-
-
+@slow
 def test_a_two_node_cluster_runs_cells_on_both_nodes(tiny_dir, in_process, tmp_path) -> None:
     args = {"sweep": _sweep_args(tiny_dir, tmp_path)}
     run = _in_loopback([sys.executable, str(Path(__file__).with_name("ray_support.py")), "cluster", json.dumps(args)])
@@ -119,9 +105,9 @@ def test_a_two_node_cluster_runs_cells_on_both_nodes(tiny_dir, in_process, tmp_p
 
 
 @pytest.fixture(scope="module")
-def faults(tiny_dir, tmp_path_factory) -> dict[str, Any]:
-    """The fault scenarios on one local Ray (tests/ray_support.py ``faults``)."""
-    work = tmp_path_factory.mktemp("faults")
+def local(tiny_dir, tmp_path_factory) -> dict[str, Any]:
+    """The scenarios on one local Ray with two CPUs (tests/ray_support.py ``local``)."""
+    work = tmp_path_factory.mktemp("local")
     args = {
         "work": str(work),
         "settings": {"model": tiny_dir, "ppl_tokens": TOKENS},
@@ -131,13 +117,27 @@ def faults(tiny_dir, tmp_path_factory) -> dict[str, Any]:
         "delete": "ppl__h2o__r0.5",
     }
     script = str(Path(__file__).with_name("ray_support.py"))
-    run = _in_loopback([sys.executable, script, "faults", json.dumps(args)])
+    run = _in_loopback([sys.executable, script, "local", json.dumps(args)])
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return {**json.loads(run.stdout.splitlines()[-1]), "work": work}
 
 
-def test_a_killed_worker_is_retried_and_its_cell_written_once(faults, in_process) -> None:
-    first = faults["first"]
+@slow
+def test_a_local_ray_gives_the_in_process_results(local, in_process, tiny_dir) -> None:
+    plain = local["plain"]
+    assert plain["computed"] == 5  # full once (the two 100 % cells share it) + 2 bounded policies × 2 budgets
+    _same(plain["rows"], in_process)
+    assert len(plain["cells"]) == 5 and all(len(cell["node"]) == 56 for cell in plain["cells"].values())  # (hex)
+    assert {json.dumps(cell["settings"]) for cell in plain["cells"].values()} == {
+        json.dumps(asdict(Settings(model=tiny_dir, ppl_tokens=TOKENS)))
+    }
+    # the same files as the in-process sweep: --report reads them without Ray
+    assert main(["sweep", "--report", "--json", *_sweep_args(tiny_dir, local["work"] / "plain")]) == 0
+
+
+@slow
+def test_a_killed_worker_is_retried_and_its_cell_written_once(local, in_process) -> None:
+    first = local["first"]
     tries = [key for key, _ in first["log"]]
     assert tries.count("ppl__h2o__r0.25") == 2  # killed, then retried
     assert sorted(first["writes"]) == sorted(set(first["writes"])) and len(first["writes"]) == 5
@@ -145,8 +145,9 @@ def test_a_killed_worker_is_retried_and_its_cell_written_once(faults, in_process
     assert row["ppl"] == pytest.approx(in_process["h2o", 0.25]["ppl"], rel=1e-6)
 
 
-def test_a_cell_that_always_raises_is_stored_failed_and_the_rest_complete(faults, in_process) -> None:
-    first = faults["first"]
+@slow
+def test_a_cell_that_always_raises_is_stored_failed_and_the_rest_complete(local, in_process) -> None:
+    first = local["first"]
     assert [key for key, _ in first["log"]].count("ppl__local__r0.5") == 2  # max_retries=1: two attempts
     failed = [r for r in first["rows"] if "error" in r]
     assert [(r["policy"], r["budget"], r["error"]) for r in failed] == [
@@ -155,15 +156,32 @@ def test_a_cell_that_always_raises_is_stored_failed_and_the_rest_complete(faults
     _same([r for r in first["rows"] if "error" not in r], {k: v for k, v in in_process.items() if k != ("local", 0.5)})
 
 
-def test_a_rerun_computes_only_the_missing_and_failed_cells(faults, in_process) -> None:
-    rerun = faults["rerun"]
+@slow
+def test_a_rerun_computes_only_the_missing_and_failed_cells(local, in_process) -> None:
+    rerun = local["rerun"]
     assert rerun["computed"] == 2
     assert sorted(rerun["writes"]) == sorted(key for key, _ in rerun["log"]) == ["ppl__h2o__r0.5", "ppl__local__r0.5"]
     _same(rerun["rows"], in_process)
 
 
-def test_ctrl_c_cancels_the_running_cells_and_keeps_the_finished(faults) -> None:
-    interrupted = faults["interrupted"]
+@slow
+def test_ctrl_c_cancels_the_running_cells_and_keeps_the_finished(local) -> None:
+    interrupted = local["interrupted"]
     assert interrupted["raised"]
     assert interrupted["stored"] == interrupted["others"]  # every cell but the hanging one
     assert not interrupted["hung_worker_alive"]  # its task was cancelled: the worker process is gone
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cpus-per-cell", "2"], "--cpus-per-cell needs --ray"),
+        (["--ray", "--cpus-per-cell", "1.5"], "cpus-per-cell must be a fraction of 1 or a whole number, got 1.5"),
+        (["--ray", "--gpus-per-cell", "2.5"], "gpus-per-cell must be a fraction of 1 or a whole number, got 2.5"),
+        (["--ray", "--jobs", "2"], "give --jobs/--threads without it"),
+        (["--ray", "auto", "--threads", "2"], "give --jobs/--threads without it"),
+    ],
+)
+def test_ray_options_are_checked_before_anything_runs(tmp_path, capsys, no_model, args, message) -> None:
+    assert main(["sweep", "--out", str(tmp_path / "out"), *args]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
