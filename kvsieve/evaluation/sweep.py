@@ -253,8 +253,8 @@ def _compute(
             initargs=(threads or max(1, (os.cpu_count() or 1) // jobs),),
         ) as pool:
             futures = [pool.submit(_work, settings, device, cell) for cell in todo]
-            for started, future in enumerate(as_completed(futures)):
-                progress.show_running(min(jobs, len(todo) - started))
+            for done, future in enumerate(as_completed(futures)):
+                progress.show_running(min(jobs, len(todo) - done))
                 yield future.result()
     else:
         if threads:
