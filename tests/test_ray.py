@@ -185,3 +185,24 @@ def test_ctrl_c_cancels_the_running_cells_and_keeps_the_finished(local) -> None:
 def test_ray_options_are_checked_before_anything_runs(tmp_path, capsys, no_model, args, message) -> None:
     assert main(["sweep", "--out", str(tmp_path / "out"), *args]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_reproduce_grids_hand_their_cells_to_ray(tmp_path, monkeypatch) -> None:
+    from kvsieve.evaluation import ray_sweep
+    from kvsieve.reproduce.experiments import Context, Grid
+
+    sent = []
+
+    def ray_cells(todo, settings, device, options, progress):
+        sent.append(([(cell.policy, cell.budget) for cell in todo], options))
+        for cell in todo:
+            yield cell, {"ppl": 10 + cell.budget, "n": 63}, 0.5, "node-a"
+
+    monkeypatch.setattr(ray_sweep, "ray_cells", ray_cells)
+    options = ray_sweep.RayOptions(cpus_per_cell=2)
+    part = Grid("grid", "a grid", ["ppl"], ["h2o"], [0.1, 0.2]).run(
+        Context(out=tmp_path, model_name="m", progress=False, ray=options)
+    )
+    assert sent == [([("h2o", 0.1), ("h2o", 0.2)], options)]
+    assert part.computed == 2 and [row["ppl"] for row in part.rows] == [10.1, 10.2]
+    assert json.loads((tmp_path / "grid/cells/ppl__h2o__r0.1.json").read_text())["node"] == "node-a"
