@@ -59,6 +59,7 @@ def _in_loopback(argv: list[str], timeout: float = TIMEOUT_S * 5) -> subprocess.
         "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
         "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.005",  # (a local Ray: ~120 MB of object store)
         "RAY_AUTH_MODE": "disabled",  # (one namespace, nothing else can reach it)
+        "RAY_USAGE_STATS_ENABLED": "0",
     }
     proc = subprocess.Popen(
         loopback_command(argv),
