@@ -108,10 +108,17 @@ def _ray_args(parser: argparse.ArgumentParser) -> None:
         help="compute the cells as Ray tasks: on a new local Ray without ADDRESS; auto, HOST:PORT or ray://HOST:PORT "
         "joins a running cluster",
     )
-    ray.add_argument("--cpus-per-cell", type=POSITIVE, help="CPUs of a cell's task, and its torch threads (default 1)")
-    ray.add_argument("--gpus-per-cell", type=NON_NEGATIVE, help="GPUs of a cell's task (default 0; 0.5: two per GPU)")
     ray.add_argument(
-        "--max-retries", type=NON_NEGATIVE_INT, help="retries of a failed cell (raised, worker died; default 2)"
+        "--cpus-per-cell", type=POSITIVE, metavar="N", help="CPUs of a cell's task, and its torch threads (default 1)"
+    )
+    ray.add_argument(
+        "--gpus-per-cell", type=NON_NEGATIVE, metavar="N", help="GPUs of a cell's task (default 0; 0.5: two per GPU)"
+    )
+    ray.add_argument(
+        "--max-retries",
+        type=NON_NEGATIVE_INT,
+        metavar="N",
+        help="retries of a failed cell (raised, worker died; default 2)",
     )
 
 
