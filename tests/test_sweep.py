@@ -85,7 +85,11 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner,
     result = run_sweep(tmp_path, ["ppl"], ["local", "h2o"], [0.1], progress=False)
     assert [r.get("error") for r in result.rows] == ["ValueError: budget too small", None]
     assert "| local | error |" in result.table and "| h2o | 0.40 |" in result.table
-    assert run_sweep(tmp_path, ["ppl"], ["local", "h2o"], [0.1], progress=False).computed == 0
+    calls = len(fake_runner)
+    assert run_sweep(tmp_path, ["ppl"], ["local", "h2o"], [0.1], progress=False).computed == 1  # the failed one
+    assert len(fake_runner) == calls  # (it failed again before reaching the fake metric)
+    report = run_sweep(tmp_path, ["ppl"], ["local", "h2o"], [0.1], progress=False, compute=False)
+    assert [r.get("error") for r in report.rows] == ["ValueError: budget too small", None]
 
 
 def test_report_computes_nothing_and_shows_missing_cells(tmp_path, fake_runner) -> None:

@@ -195,6 +195,27 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
     return {"policy": args.policy, "budget": args.budget, "protocol": args.protocol, **result, "first": samples[0]}
 
 
+def _ray_options(args: argparse.Namespace) -> Any:
+    """``--ray`` and its options as :class:`~kvsieve.evaluation.ray_sweep.RayOptions` (None without ``--ray``)."""
+    given = {
+        name: value
+        for name, value in (
+            ("cpus_per_cell", args.cpus_per_cell),
+            ("gpus_per_cell", args.gpus_per_cell),
+            ("max_retries", args.max_retries),
+        )
+        if value is not None
+    }
+    if args.ray is None:
+        if given:
+            raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --ray")
+        return None
+    from kvsieve.evaluation.ray_sweep import RayOptions, require_ray
+
+    require_ray()
+    return RayOptions(address=args.ray, **given)
+
+
 def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation import sweep
 
@@ -211,6 +232,7 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         progress=not args.json,
         compute=not args.report,
+        ray=_ray_options(args),
     )
     return {"computed": result.computed, "files": result.files, "rows": result.rows, "table": result.table}
 
@@ -261,6 +283,7 @@ def cmd_reproduce(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         compute=not args.report,
         progress=not args.json,
+        ray=_ray_options(args),
     )
 
 

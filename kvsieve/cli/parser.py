@@ -46,6 +46,8 @@ def _checked(kind: type, expected: str, ok: Callable[[Any], bool]) -> Callable[[
 
 POSITIVE_INT = _checked(int, "a positive integer", lambda v: v > 0)
 POSITIVE = _checked(float, "a positive number", lambda v: 0 < v < math.inf)
+NON_NEGATIVE = _checked(float, "a number >= 0", lambda v: 0 <= v < math.inf)
+NON_NEGATIVE_INT = _checked(int, "an integer >= 0", lambda v: v >= 0)
 FRACTION = _checked(float, "a number in [0, 1]", lambda v: 0 <= v <= 1)
 GEN_LEN = _checked(int, "an integer >= 2 (the prefill generates the first token)", lambda v: v >= 2)
 
@@ -93,6 +95,30 @@ def _schedule_arg(parser: argparse.ArgumentParser) -> None:
         "--schedule",
         default="uniform",
         help="how the budget is shared among layers, same total: uniform (default), increasing, pyramid, profiled",
+    )
+
+
+def _ray_args(parser: argparse.ArgumentParser) -> None:
+    ray = parser.add_argument_group("cells as Ray tasks (pip install 'kvsieve[ray]')")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="compute the cells as Ray tasks: on a new local Ray without ADDRESS; auto, HOST:PORT or ray://HOST:PORT "
+        "joins a running cluster",
+    )
+    ray.add_argument(
+        "--cpus-per-cell", type=POSITIVE, metavar="N", help="CPUs of a cell's task, and its torch threads (default 1)"
+    )
+    ray.add_argument(
+        "--gpus-per-cell", type=NON_NEGATIVE, metavar="N", help="GPUs of a cell's task (default 0; 0.5: two per GPU)"
+    )
+    ray.add_argument(
+        "--max-retries",
+        type=NON_NEGATIVE_INT,
+        metavar="N",
+        help="retries of a failed cell (raised, worker died; default 2)",
     )
 
 
@@ -222,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report", action="store_true", help="compute nothing: tables and plots of the finished cells (others: —)"
     )
+    _ray_args(p)
 
     from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES
 
@@ -252,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small settings (about a minute): a smoke test of the plan")
     p.add_argument("--out", help="output folder (default: out/reproduce/PAPER, out/reproduce/PAPER-quick with --quick)")
     p.add_argument("--report", action="store_true", help="compute nothing: rebuild the report from the finished parts")
+    _ray_args(p)
 
     p = sub.add_parser(
         "lm-eval",

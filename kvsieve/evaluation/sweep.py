@@ -5,7 +5,7 @@ see :mod:`kvsieve.policies`), so an ablation is one more row of the grid. Every 
 file in ``OUT/cells`` together with the settings it was computed with (model, limit, protocol, ppl tokens); a later run
 with the same settings never recomputes it, so an interrupted or extended sweep computes only what is missing.
 A cell that fails (e.g. ``streaming_llm`` when a request's budget is not above its 4 sink tokens) is stored with
-its ``error`` and shown as such; delete its file to retry it.
+its ``error`` and shown as such; a later run computes it again.
 
 Tasks:
 
@@ -23,8 +23,11 @@ Budgets are ratios (``0.2``, ``20%``) or token counts. ``full`` ignores the budg
 anything, so all those cells of a task are computed once, as ``full``, and shared: 100 % = full.
 
 Outputs in ``OUT``: ``results.json``, ``results.csv``, ``results.md`` (per task and metric a table of policies ×
-budgets) and ``plots/<task>_<metric>.png`` (metric vs budget, one line per policy). ``jobs > 1`` computes cells in
-that many processes (each loads the model once).
+budgets) and ``plots/<task>_<metric>.png`` (metric vs budget, one line per policy).
+
+Where cells are computed: in this process (default); ``jobs > 1``: in that many local processes; ``ray``: as Ray
+tasks on a local Ray or a cluster (:mod:`~kvsieve.evaluation.ray_sweep`). Every process loads the model once
+(a worker process: :func:`shared_runner`), and only this process writes the cell files, as the cells finish.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import closing
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from matplotlib.figure import Figure
@@ -51,6 +55,9 @@ from kvsieve.evaluation.lm_eval_model import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, 
 from kvsieve.evaluation.summarization import ROUGE_TYPES
 from kvsieve.evaluation.tasks import task_name
 from kvsieve.policies import get_policy, resolve_spec
+
+if TYPE_CHECKING:
+    from kvsieve.evaluation.ray_sweep import RayOptions
 
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o")
 DEFAULT_BUDGETS: tuple[Budget, ...] = (0.04, 0.1, 0.2, 0.6, 1.0)
@@ -167,27 +174,95 @@ class Runner:
         return {**metrics, "n": sum(int(n["effective"]) for n in results["n-samples"].values())}
 
 
-_WORKER: Runner | None = None
+@lru_cache(maxsize=1)
+def shared_runner(settings: Settings, device: str | None) -> Runner:
+    """A worker process's runner for ``settings`` (its model loads once per process, not once per cell)."""
+    return Runner(settings, device)
 
 
-def _init_worker(settings: Settings, device: str | None, threads: int) -> None:
-    global _WORKER
-    torch.set_num_threads(threads)
-    _WORKER = Runner(settings, device)
+def error_result(err: BaseException) -> dict[str, str]:
+    """How a failed cell's result is stored."""
+    return {"error": f"{type(err).__name__}: {err}"}
 
 
-def _timed(runner: Runner, cell: Cell) -> tuple[Cell, dict[str, Any], float]:
+Finished = tuple[Cell, dict[str, Any], float, str | None]
+"""A computed cell: the cell, its result (metrics or ``error``), its seconds, the Ray node that ran it (or None)."""
+
+
+def _timed(runner: Runner, cell: Cell) -> Finished:
     """Run one cell; a cell that fails (e.g. a budget too small for the policy) yields ``{"error": ...}``."""
     start = time.perf_counter()
     try:
         result = runner.run(cell)
     except Exception as err:  # recorded in the cell, so that one failing cell does not stop the sweep
-        result = {"error": f"{type(err).__name__}: {err}"}
-    return cell, result, time.perf_counter() - start
+        result = error_result(err)
+    return cell, result, time.perf_counter() - start, None
 
 
-def _work(cell: Cell) -> tuple[Cell, dict[str, Any], float]:
-    return _timed(_WORKER, cell)
+def _work(settings: Settings, device: str | None, cell: Cell) -> Finished:
+    return _timed(shared_runner(settings, device), cell)
+
+
+class Progress:
+    """The bar over the cells to compute: done (with ETA), running and failed."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="sweep cells", unit="cell", disable=not enabled)
+        self.failed = 0
+        self.running = 0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
+
+    def show_running(self, running: int) -> None:
+        self.running = running
+        self.bar.set_postfix(running=running, failed=self.failed)
+
+    def finished(self, cell: Cell, result: dict[str, Any], seconds: float) -> None:
+        self.failed += "error" in result
+        self.bar.update(1)
+        self.bar.set_postfix(running=self.running, failed=self.failed)
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+        self.bar.write(f"{cell.task} {cell.policy} {budget_label(cell.budget)}: {shown} ({seconds:.0f} s)", sys.stderr)
+
+
+def _compute(
+    todo: Sequence[Cell],
+    settings: Settings,
+    device: str | None,
+    jobs: int,
+    threads: int | None,
+    ray: RayOptions | None,
+    progress: Progress,
+) -> Iterator[Finished]:
+    """The cells of ``todo`` as they finish: in this process, in ``jobs`` local processes, or as Ray tasks."""
+    if not todo:
+        return
+    if ray is not None:
+        from kvsieve.evaluation.ray_sweep import ray_cells
+
+        yield from ray_cells(todo, settings, device, ray, progress)
+    elif jobs > 1:
+        with ProcessPoolExecutor(
+            max_workers=jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=torch.set_num_threads,
+            initargs=(threads or max(1, (os.cpu_count() or 1) // jobs),),
+        ) as pool:
+            futures = [pool.submit(_work, settings, device, cell) for cell in todo]
+            for done, future in enumerate(as_completed(futures)):
+                progress.show_running(min(jobs, len(todo) - done))
+                yield future.result()
+    else:
+        if threads:
+            torch.set_num_threads(threads)
+        runner = Runner(settings, device)
+        progress.show_running(1)
+        for cell in todo:
+            yield _timed(runner, cell)
 
 
 @dataclass
@@ -215,10 +290,21 @@ def _load_cell(out: Path, cell: Cell, settings: Settings) -> dict[str, Any] | No
     return stored if {**asdict(Settings()), **stored.get("settings", {})} == asdict(settings) else None
 
 
-def _save_cell(out: Path, cell: Cell, settings: Settings, result: dict[str, Any], seconds: float) -> None:
+def _finished(out: Path, cell: Cell, settings: Settings) -> bool:
+    """Whether ``cell`` is stored with ``settings`` and did not fail (else a run computes it)."""
+    stored = _load_cell(out, cell, settings)
+    return stored is not None and "error" not in stored["result"]
+
+
+def _save_cell(
+    out: Path, cell: Cell, settings: Settings, result: dict[str, Any], seconds: float, node: str | None = None
+) -> None:
+    """Write the cell's file atomically (a ``.partial`` file renamed); ``node``: the Ray node that computed it."""
     path = _cell_path(out, cell)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"cell": asdict(cell), "settings": asdict(settings), "result": result, "seconds": seconds}
+    if node is not None:
+        record["node"] = node
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(record, indent=2))
     partial.replace(path)
@@ -236,20 +322,24 @@ def run_sweep(
     device: str | None = None,
     progress: bool = True,
     compute: bool = True,
+    ray: RayOptions | None = None,
 ) -> SweepResult:
-    """Run the grid ``tasks × policies × budgets`` (missing cells only) and write the outputs into ``out``.
+    """Run the grid ``tasks × policies × budgets`` (missing and failed cells only) and write the outputs into ``out``.
 
     ``compute=False`` only writes the outputs of the cells already finished (the others are shown as missing:
     "—" in the tables, no point in the plots), e.g. while a long sweep is still running.
 
     ``threads``: torch threads per process (default: torch's own with one job, ``cores // jobs`` with several; on a
-    busy machine 1 is often much faster than oversubscribing the cores).
+    busy machine 1 is often much faster than oversubscribing the cores). ``ray``: compute the cells as Ray tasks
+    instead (their threads follow ``ray.cpus_per_cell``).
     """
     settings = settings or Settings()
     if settings.protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {settings.protocol!r}")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if ray is not None and (jobs > 1 or threads):
+        raise ValueError("with Ray, each cell is a task with --cpus-per-cell threads: give --jobs/--threads without it")
     for policy in policies:
         resolve_spec(policy)  # a name or a spec ("ahakv:sgs=false"): checked before anything runs
     for budget in budgets:
@@ -257,31 +347,13 @@ def run_sweep(
     out = Path(out)
     cells = [Cell(task, policy, budget) for task in tasks for policy in policies for budget in budgets]
     needed = dict.fromkeys(cell.computed_as() for cell in cells) if compute else {}
-    todo = [c for c in needed if _load_cell(out, c, settings) is None]
-    with tqdm(total=len(todo), desc="sweep cells", unit="cell", disable=not progress) as bar:
-
-        def done(cell: Cell, result: dict[str, Any], seconds: float) -> None:
-            _save_cell(out, cell, settings, result, seconds)
-            bar.update(1)
-            shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
-            bar.write(f"{cell.task} {cell.policy} {budget_label(cell.budget)}: {shown} ({seconds:.0f} s)", sys.stderr)
-
-        if jobs == 1:
-            if threads:
-                torch.set_num_threads(threads)
-            runner = Runner(settings, device)
-            for cell in todo:
-                done(*_timed(runner, cell))
-        elif todo:
-            per_job = threads or max(1, (os.cpu_count() or 1) // jobs)
-            with ProcessPoolExecutor(
-                max_workers=jobs,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(settings, device, per_job),
-            ) as pool:
-                for future in as_completed([pool.submit(_work, cell) for cell in todo]):
-                    done(*future.result())
+    todo = [c for c in needed if not _finished(out, c, settings)]
+    with Progress(len(todo), progress) as bar:
+        finished = _compute(todo, settings, device, jobs, threads, ray, bar)
+        with closing(finished):  # (Ctrl-C while a cell is written: the outstanding ones are cancelled all the same)
+            for cell, result, seconds, node in finished:
+                _save_cell(out, cell, settings, result, seconds, node)
+                bar.finished(cell, result, seconds)
     rows = []
     for cell in cells:
         stored = _load_cell(out, cell.computed_as(), settings)

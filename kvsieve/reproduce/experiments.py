@@ -22,12 +22,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from kvsieve.engine.budget import Budget
+
+if TYPE_CHECKING:
+    from kvsieve.evaluation.ray_sweep import RayOptions
 
 PROTOCOL_NOTES = {
     "stream": "stream protocol: eviction from the first token, every later token one at a time (H2O's)",
@@ -47,6 +50,8 @@ class Context:
     dtype: str | None = None
     compute: bool = True
     progress: bool = True
+    ray: RayOptions | None = None
+    """Where grids compute their cells: as Ray tasks, or (None) in this process."""
     _loaded: tuple[Any, Any] | None = field(default=None, repr=False)
     _ids: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict, repr=False)
 
@@ -149,6 +154,7 @@ class Grid(Experiment):
             device=ctx.device,
             progress=ctx.progress,
             compute=ctx.compute,
+            ray=ctx.ray,
         )
         rows = [row | {"protocol": self.protocol} for row in result.rows]
         cells = {(r["task"], r["computed_as"], r["budget"] if r["computed_as"] != "full" else 1.0): r for r in rows}

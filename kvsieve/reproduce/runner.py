@@ -10,12 +10,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsieve.engine.budget import Budget
 from kvsieve.reproduce import PAPERS, default_out
 from kvsieve.reproduce.claims import Claim, Results, pct
 from kvsieve.reproduce.experiments import PROTOCOL_NOTES, Context, Experiment, Part
+
+if TYPE_CHECKING:
+    from kvsieve.evaluation.ray_sweep import RayOptions
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -69,10 +72,11 @@ def reproduce(
     dtype: str | None = None,
     compute: bool = True,
     progress: bool = True,
+    ray: RayOptions | None = None,
 ) -> dict[str, Any]:
     """Run what is missing of ``paper``'s experiments (``compute=False``: nothing, the report of what is finished)
     and write ``report.md`` and ``results.json`` in ``out``. Returns the command's result: the claims, the files,
-    the cells computed by this run."""
+    the cells computed by this run. ``ray``: the grids' cells run as Ray tasks (the other experiments here)."""
     plan = load_plan(paper, quick)
     check_plan(plan)
     out = Path(out or default_out(paper, quick))
@@ -80,9 +84,13 @@ def reproduce(
         raise ValueError(f"--out {str(out)!r} is a file, not a folder")
     if not compute and not out.is_dir():
         raise ValueError(f"nothing to report: {str(out)!r} does not exist (run `kvsieve reproduce {paper}` first)")
-    ctx = Context(out=out, model_name=model, device=device, dtype=dtype, compute=compute, progress=progress)
+    ctx = Context(out=out, model_name=model, device=device, dtype=dtype, compute=compute, progress=progress, ray=ray)
     if compute:
         ctx.loaded  # noqa: B018  (a model that cannot load fails here, before anything is written)
+        if ray is not None:
+            from kvsieve.evaluation.ray_sweep import connect
+
+            connect(ray)  # (and so does a Ray that cannot start or be reached)
     start = time.perf_counter()
     parts: dict[str, Part] = {}
     for i, experiment in enumerate(plan.experiments, 1):

@@ -1,0 +1,228 @@
+"""Support for tests/test_ray.py: Ray on the loopback interface only, a worker hook that injects faults, and the
+scenarios run by a driver process.
+
+Ray advertises a machine's routable address even when told 127.0.0.1, so every Ray of the tests runs in a network
+namespace of its own (``unshare -rn``) whose only interface is the loopback: ``loopback_command``. A scenario runs
+as ``python tests/ray_support.py SCENARIO ARGS_JSON`` in that namespace and prints its findings as JSON.
+
+Faults: ``install`` (Ray's ``worker_process_setup_hook``) wraps ``Runner.run`` in each worker process. The file
+named by ``KVSIEVE_TEST_FAULTS`` maps a cell's key to ``raise`` (every attempt), ``kill`` (the worker process dies
+on the first attempt) or ``hang``; every attempt is logged as ``KEY PID`` to the file named by its ``log`` entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+FAULTS = "KVSIEVE_TEST_FAULTS"
+TIMEOUT_S = 60
+
+
+def loopback_command(argv: list[str]) -> list[str]:
+    """``argv`` run in a new network namespace with only the loopback interface up."""
+    if shutil.which("unshare") is None:
+        raise RuntimeError("the Ray tests need unshare (util-linux) to keep Ray on the loopback interface")
+    return ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
+
+
+def install() -> None:
+    """The worker hook: wrap ``Runner.run`` with the faults of the ``KVSIEVE_TEST_FAULTS`` file."""
+    from kvsieve.evaluation.sweep import Runner
+
+    run = Runner.run
+
+    def faulty(self: Runner, cell: Any) -> dict[str, Any]:
+        plan = json.loads(Path(os.environ[FAULTS]).read_text())
+        with open(plan["log"], "a") as log:
+            log.write(f"{cell.key} {os.getpid()}\n")
+        fault = plan["faults"].get(cell.key)
+        if fault == "raise":
+            raise ValueError(f"injected failure in {cell.key}")
+        if fault == "kill":
+            marker = Path(plan["log"]).with_name(f"{cell.key}.killed")
+            if not marker.exists():
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "hang":
+            time.sleep(TIMEOUT_S * 10)
+        return run(self, cell)
+
+    Runner.run = faulty
+
+
+def _attempts(log: Path) -> list[tuple[str, int]]:
+    if not log.exists():
+        return []
+    return [(key, int(pid)) for key, pid in (line.split() for line in log.read_text().splitlines())]
+
+
+def local(args: dict[str, Any]) -> dict[str, Any]:
+    """On one local Ray: a sweep; a sweep with a killed worker and a cell that always raises; its rerun after a cell
+    file is deleted; a sweep interrupted (Ctrl-C) while a cell hangs."""
+    import ray
+
+    from kvsieve.evaluation import sweep
+    from kvsieve.evaluation.ray_sweep import RayOptions
+
+    work = Path(args["work"])
+    plan_file, log = work / "faults.json", work / "attempts.log"
+    os.environ[FAULTS] = str(plan_file)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=100 * 2**20,
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": "ray_support.install"},
+    )
+    writes: list[str] = []
+    save = sweep._save_cell
+
+    def counted(out: Path, cell: sweep.Cell, *rest: Any) -> None:
+        writes.append(cell.key)
+        save(out, cell, *rest)
+
+    sweep._save_cell = counted
+    settings = sweep.Settings(**args["settings"])
+    grid = (["ppl"], args["policies"], args["budgets"])
+    options = RayOptions(max_retries=1)
+    found: dict[str, Any] = {}
+    try:
+        plan_file.write_text(json.dumps({"log": str(log), "faults": {}}))
+        plain = sweep.run_sweep(work / "plain", *grid, settings=settings, ray=options, progress=False)
+        cells = {p.stem: json.loads(p.read_text()) for p in (work / "plain" / "cells").glob("*.json")}
+        found["plain"] = {"rows": plain.rows, "computed": plain.computed, "cells": cells}
+
+        log.unlink()
+        writes.clear()
+        plan_file.write_text(json.dumps({"log": str(log), "faults": args["faults"]}))
+        first = sweep.run_sweep(work / "out", *grid, settings=settings, ray=options, progress=False)
+        found["first"] = {
+            "rows": first.rows,
+            "computed": first.computed,
+            "writes": writes.copy(),
+            "log": _attempts(log),
+        }
+
+        (work / "out" / "cells" / f"{args['delete']}.json").unlink()
+        plan_file.write_text(json.dumps({"log": str(log), "faults": {}}))
+        log.unlink()
+        writes.clear()
+        second = sweep.run_sweep(work / "out", *grid, settings=settings, ray=options, progress=False)
+        found["rerun"] = {
+            "rows": second.rows,
+            "computed": second.computed,
+            "writes": writes.copy(),
+            "log": _attempts(log),
+        }
+
+        hang = sweep.Cell("ppl", args["policies"][-1], args["budgets"][-1])
+        plan_file.write_text(json.dumps({"log": str(log), "faults": {hang.key: "hang"}}))
+        log.unlink()
+        writes.clear()
+        others = [sweep.Cell("ppl", p, b).computed_as() for p in args["policies"] for b in args["budgets"]]
+        others = {c.key for c in others} - {hang.key}
+
+        def interrupt_when_the_others_are_written() -> None:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not ({hang.key} <= {k for k, _ in _attempts(log)} and others <= set(writes)):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)  # (Ctrl-C)
+
+        threading.Thread(target=interrupt_when_the_others_are_written, daemon=True).start()
+        started = time.monotonic()
+        try:
+            sweep.run_sweep(work / "interrupted", *grid, settings=settings, ray=options, progress=False)
+            found["interrupted"] = {"raised": False}
+        except KeyboardInterrupt:
+            (pid,) = [pid for key, pid in _attempts(log) if key == hang.key]
+            deadline = time.monotonic() + 20
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            stored = sorted(p.stem for p in (work / "interrupted" / "cells").glob("*.json"))
+            found["interrupted"] = {
+                "raised": True,
+                "stored": stored,
+                "others": sorted(others),
+                "hung_worker_alive": _alive(pid),
+                "seconds": time.monotonic() - started,
+            }
+    finally:
+        ray.shutdown()
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster(args: dict[str, Any]) -> dict[str, Any]:
+    """A head and a second node of one CPU each (``ray start``), then ``kvsieve sweep --ray HOST:PORT``."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    address = f"127.0.0.1:{_free_port()}"
+    common = ["--block", "--num-cpus", "1", "--object-store-memory", str(80 * 2**20), "--disable-usage-stats"]
+    head = ["--head", "--port", address.split(":")[1], "--include-dashboard", "false"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    nodes = [subprocess.Popen([ray_bin, "start", *head, *common], **quiet)]
+    try:
+        _wait(lambda: subprocess.run([ray_bin, "status", "--address", address], capture_output=True).returncode == 0)
+        nodes.append(subprocess.Popen([ray_bin, "start", "--address", address, *common], **quiet))
+        _wait(lambda: "2 node" in _nodes(ray_bin, address))
+        sweep = subprocess.run(
+            [sys.executable, "-m", "kvsieve.cli", "sweep", "--json", "--ray", address, *args["sweep"]],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S * 3,
+        )
+        return {"returncode": sweep.returncode, "stdout": sweep.stdout, "stderr": sweep.stderr[-3000:]}
+    finally:
+        for node in reversed(nodes):
+            node.terminate()
+        for node in reversed(nodes):
+            try:
+                node.wait(TIMEOUT_S / 2)
+            except subprocess.TimeoutExpired:
+                node.kill()
+
+
+def _nodes(ray_bin: Path, address: str) -> str:
+    status = subprocess.run([ray_bin, "status", "--address", address], capture_output=True, text=True).stdout
+    alive = sum(line.strip().startswith("1 node_") for line in status.split("Pending:")[0].splitlines())
+    return f"{alive} node(s)"
+
+
+def _wait(ready: Any) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError("Ray did not start in time")
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    scenario, raw = sys.argv[1:]
+    found = {"local": local, "cluster": cluster}[scenario](json.loads(raw))
+    print("\n" + json.dumps(found))  # (the last line: Ray may print before)
