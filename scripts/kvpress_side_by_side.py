@@ -7,10 +7,11 @@
 kvpress is never a dependency of kvsieve: it needs transformers < 5.3, so it lives in its own virtualenv
 (``--build-venv`` makes it: torch==2.13.0 CPU first, then kvpress==0.5.5 with torch and transformers < 5.3 held by a
 constraint). Each side runs in its own process (``scripts/kvpress_worker.py``, with kvsieve's python or kvpress's),
-loading the same safetensors weights (the built-in SmolLM2-135M-Instruct copy) in fp32 on the same number of
-threads, and gets the same token ids (one built-in Wikipedia article). Rounds alternate the sides (kvsieve first in
-even rounds, kvpress first in odd ones, the methods in reverse order in odd rounds); figures are medians over rounds,
-ratios medians of per-round ratios (kvsieve / kvpress).
+kept alive for the whole run, loading the same safetensors weights (the built-in SmolLM2-135M-Instruct copy) in fp32
+on the same number of threads, and gets the same token ids (one built-in Wikipedia article). The runs alternate: a
+method's kvsieve run and its kvpress run back to back, the side going first alternating from one method to the next,
+the methods in reverse order in odd rounds. Figures are medians over rounds, ratios medians of the per-round ratios
+(kvsieve / kvpress) of those back-to-back pairs.
 
 Each method keeps 20 %: kvpress's ``compression_ratio=0.8`` keeps ``int(L·(1−0.8))`` tokens, and kvsieve gets that
 many as its budget (its ratio budget 0.2 would round: one token more at 2,048). Per method: prefill time, median
@@ -23,6 +24,7 @@ the prompt's keys). ``dynamic`` is transformers' ``DynamicCache`` on each side (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -170,45 +172,74 @@ def prompt_ids(model: Path, context: int) -> list[int]:
     return prompt_tokens(AutoTokenizer.from_pretrained(model), context).tolist()
 
 
-def run_worker(python: Path, request: dict[str, Any], threads: int) -> dict[str, Any]:
-    """One worker process; its JSON reply."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    done = subprocess.run(
-        [str(python), str(WORKER)], input=json.dumps(request), capture_output=True, text=True, env=env, cwd=ROOT
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{request['side']} worker failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class WorkerProcess:
+    """One side's worker process (``scripts/kvpress_worker.py``), kept alive for the whole run: set up (model
+    loaded, methods warmed up) by ``setup``, then asked for one run at a time."""
+
+    def __init__(self, python: Path, setup: dict[str, Any], threads: int, log: Path) -> None:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        self.side, self.log = setup["side"], log
+        with log.open("w") as stderr:
+            self.process = subprocess.Popen(
+                [str(python), str(WORKER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env=env,
+                cwd=ROOT,
+            )
+        self.hello = self.ask(setup)
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one request line; its reply."""
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.side} worker failed:\n{self.log.read_text()[-3000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """End the process (end of its input), killed if it does not end within a minute."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
-def requests(settings: Settings, ids: list[int], round_index: int) -> list[dict[str, Any]]:
-    """The round's two worker requests, in running order (sides and methods alternate between rounds)."""
-    base = {
+def setup_request(settings: Settings, ids: list[int], side: str) -> dict[str, Any]:
+    """The first line a side's worker gets."""
+    return {
+        "side": side,
         "model": str(settings.model),
         "ids": ids,
-        "steps": settings.steps,
         "threads": settings.threads,
+        "methods": list(settings.methods) if side == "kvsieve" else settings.presses,
         "budget": settings.budget,
         "compression_ratio": COMPRESSION_RATIO,
-        "kept": round_index == 0,
         "warmup": min(WARMUP, settings.context),
     }
-    flip = round_index % 2 == 1
-    sides = [
-        {**base, "side": "kvsieve", "methods": list(settings.methods)},
-        {**base, "side": "kvpress", "methods": settings.presses},
-    ]
-    for request in sides:
-        if flip:
-            request["methods"].reverse()
-    return sides[::-1] if flip else sides
+
+
+def schedule(methods: Sequence[str], rounds: int) -> list[tuple[int, str, str]]:
+    """The runs in order, ``(round, kvsieve method, side)``: each method's two runs back to back, the side going
+    first alternating from one to the next, the methods in reverse order in odd rounds."""
+    runs = []
+    for r in range(rounds):
+        for i, method in enumerate(methods if r % 2 == 0 else methods[::-1]):
+            sides = SIDES if (r + i) % 2 == 0 else SIDES[::-1]
+            runs += [(r, method, side) for side in sides]
+    return runs
 
 
 def jaccard(a: Sequence[int], b: Sequence[int]) -> float:
@@ -232,15 +263,16 @@ def kept_agreement(kvsieve: list[list[list[int]]], kvpress: list[list[list[int]]
     }
 
 
-def summarize(replies: list[dict[str, dict[str, Any]]], methods: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per kvsieve method from the rounds' replies (``[{side: reply}]``): medians over rounds, ratios
-    kvsieve / kvpress as medians of per-round ratios, kept-set agreement from the round that recorded it."""
+def summarize(runs: list[dict[str, dict[str, dict[str, Any]]]], methods: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per kvsieve method from the runs of each round (``runs[round][method][side]``): medians over
+    rounds, ratios kvsieve / kvpress as medians of per-round ratios, the kept-set agreement from the first round
+    that recorded it."""
     rows = []
     for method in methods:
-        press = METHODS[method]
-        runs = {side: [r[side]["runs"][m] for r in replies] for side, m in zip(SIDES, (method, press), strict=True)}
-        row: dict[str, Any] = {"method": method, "press": PRESS_NAMES[press], "rounds": len(replies)}
-        for side, side_runs in runs.items():
+        pairs = [(r[method]["kvsieve"], r[method]["kvpress"]) for r in runs]
+        row: dict[str, Any] = {"method": method, "press": PRESS_NAMES[METHODS[method]], "rounds": len(pairs)}
+        for i, side in enumerate(SIDES):
+            side_runs = [pair[i] for pair in pairs]
             row[side] = {
                 "prefill_s": statistics.median(r["prefill_s"] for r in side_runs),
                 "step_ms": statistics.median(r["step_ms"] for r in side_runs),
@@ -248,7 +280,6 @@ def summarize(replies: list[dict[str, dict[str, Any]]], methods: Sequence[str]) 
                 "extra_bytes": side_runs[-1]["extra_bytes"],
                 "slots": side_runs[-1]["slots"],
             }
-        pairs = list(zip(runs["kvsieve"], runs["kvpress"], strict=True))
         row["ratio"] = {
             key: statistics.median(a[key] / b[key] for a, b in pairs) for key in ("prefill_s", "step_ms", "kv_bytes")
         }
@@ -306,24 +337,31 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run(settings: Settings) -> dict[str, Any]:
-    """Both sides, ``settings.rounds`` times interleaved; the result (settings, versions, rows)."""
+    """Both sides, their runs alternating (see :func:`schedule`); the result (settings, versions, rows)."""
     from tqdm import tqdm
 
     if settings.build_venv and not venv_ready(settings.venv):
         build_venv(settings.venv)
     ids = prompt_ids(settings.model, settings.context)
     pythons = {"kvsieve": Path(sys.executable), "kvpress": venv_python(settings.venv)}
-    replies: list[dict[str, dict[str, Any]]] = []
+    settings.out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, dict[str, dict[str, Any]]]] = [
+        {m: {} for m in settings.methods} for _ in range(settings.rounds)
+    ]
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    with tqdm(total=2 * settings.rounds, desc="side by side", unit="process") as bar:
-        for i in range(settings.rounds):
-            replies.append({})
-            for request in requests(settings, ids, i):
-                side = request["side"]
-                bar.set_postfix_str(f"round {i + 1} {side}")
-                replies[-1][side] = run_worker(pythons[side], request, settings.threads)
-                bar.update()
+    with contextlib.ExitStack() as stack:
+        workers = {}
+        for side in SIDES:
+            print(f"starting the {side} worker (model load, warm-up)", file=sys.stderr, flush=True)
+            log = settings.out / f"{side}_worker.log"
+            workers[side] = WorkerProcess(pythons[side], setup_request(settings, ids, side), settings.threads, log)
+            stack.callback(workers[side].close)
+        plan = schedule(settings.methods, settings.rounds)
+        for r, method, side in tqdm(plan, desc="side by side", unit="run"):
+            name = method if side == "kvsieve" else METHODS[method]
+            command = {"method": name, "steps": settings.steps, "kept": r == 0}
+            runs[r][method][side] = workers[side].ask(command)
     return {
         "context": settings.context,
         "steps": settings.steps,
@@ -334,9 +372,9 @@ def run(settings: Settings) -> dict[str, Any]:
         "model": str(settings.model),
         "load_avg_1min_at_start": load,
         "wall_s": time.perf_counter() - start,
-        "versions": {side: replies[0][side]["versions"] for side in SIDES},
+        "versions": {side: workers[side].hello["versions"] for side in SIDES},
         "git": git_head(),
-        "rows": summarize(replies, settings.methods),
+        "rows": summarize(runs, settings.methods),
     }
 
 
@@ -351,7 +389,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"kvpress_side_by_side: error: {e}")
     result = run(settings)
-    settings.out.mkdir(parents=True, exist_ok=True)
     (settings.out / "kvpress_side_by_side.json").write_text(json.dumps(result, indent=1) + "\n")
     header = (
         f"{settings.context}-token prompt, {settings.steps} decode steps, {settings.budget} tokens kept, "

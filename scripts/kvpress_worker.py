@@ -1,23 +1,24 @@
-"""The measuring process of ``scripts/kvpress_side_by_side.py``: one side, one JSON line.
+"""The measuring process of ``scripts/kvpress_side_by_side.py``: one side, JSON lines in and out.
 
 It runs under either virtualenv: kvsieve's (``.venv``, side ``kvsieve``) or kvpress's (``.venv-kvpress``, side
 ``kvpress``: kvpress 0.5.5 needs transformers < 5.3). At the top it imports only torch and transformers; each side
-imports its own library, so both sides time the very same loop (:func:`measure`) on the same weights.
+imports its own library, so both sides time the very same loop (:func:`measure`) on the same weights. The driver
+keeps one process per side alive and alternates their runs.
 
-Request, one JSON object on stdin::
+The first line on stdin sets the process up::
 
-    {"side": "kvsieve" | "kvpress", "model": DIR, "ids": [token ids], "steps": N, "threads": T,
-     "methods": [names], "budget": TOKENS, "compression_ratio": R, "kept": bool, "warmup": TOKENS}
+    {"side": "kvsieve" | "kvpress", "model": DIR, "ids": [token ids], "threads": T, "methods": [names],
+     "budget": TOKENS, "compression_ratio": R, "warmup": TOKENS}
 
 ``methods`` are kvsieve policy specs (``"snapkv:window=64,kernel=5"``) on the kvsieve side, press names on the
 kvpress side, and ``"dynamic"`` on both (transformers' ``DynamicCache``, sdpa, nothing evicted). The kvsieve side
-keeps ``budget`` tokens; the kvpress side compresses by ``compression_ratio``.
-
-Reply, one JSON line on stdout: ``{"side", "versions", "threads", "runs": {method: run}}``, a run being
-``prefill_s``, ``step_ms`` (median decode step), ``kv_bytes`` (keys and values allocated after the ``steps`` decode
-steps), ``extra_bytes`` (other per-token cache state: kvsieve's positions and policy scores), ``slots`` (tokens a
-layer's buffers hold, at most) and, with ``"kept": true``, ``kept``: for each layer and KV head (batch row 0), the
-sorted prompt positions the cache holds right after the prefill.
+keeps ``budget`` tokens; the kvpress side compresses by ``compression_ratio``. The process loads the model, warms
+every method up on the first ``warmup`` tokens (two decode steps, untimed) and answers ``{"side", "versions",
+"threads"}``. Each next line, ``{"method": name, "steps": N, "kept": bool}``, runs one method over all ``ids`` and
+is answered with its run: ``prefill_s``, ``step_ms`` (median decode step), ``kv_bytes`` (keys and values held after
+the ``N`` decode steps), ``extra_bytes`` (other per-token cache state: kvsieve's positions and policy scores),
+``slots`` (tokens a layer's buffers hold, at most) and, with ``"kept": true``, ``kept``: for each layer and KV head
+(batch row 0), the sorted prompt positions the cache holds right after the prefill.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
@@ -118,50 +119,56 @@ def match_positions(kept: torch.Tensor, reference: torch.Tensor) -> list[list[in
     return positions
 
 
-def kvpress_setups(model: PreTrainedModel, request: dict[str, Any], ids: torch.Tensor) -> Iterator[Setup]:
-    """A setup per requested method: a ``DynamicCache`` and kvpress's press hooks around the prefill."""
-    import kvpress
+class KvpressSide:
+    """kvpress's presses over a ``DynamicCache``: the press hooks wrap the prefill."""
 
-    presses = {
-        "streaming_llm": kvpress.StreamingLLMPress,
-        "snapkv": kvpress.SnapKVPress,
-        "knorm": kvpress.KnormPress,
-        "tova": kvpress.TOVAPress,
-    }
-    reference: list[torch.Tensor] = []
-    if request["kept"]:  # the prompt's keys, unpressed: each press keeps copies of some of them
-        cache = DynamicCache(config=model.config)
-        with torch.inference_mode():
-            model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        reference = [layer.keys[0].clone() for layer in cache.layers]
-    for name in request["methods"]:
-        cache = DynamicCache(config=model.config)
-        if name == DYNAMIC:
-            yield Setup(cache)
-            continue
-        press = presses[name](compression_ratio=request["compression_ratio"])
-        yield Setup(
+    def __init__(self, model: PreTrainedModel, compression_ratio: float) -> None:
+        import kvpress
+
+        self.model, self.ratio = model, compression_ratio
+        self.presses = {
+            "streaming_llm": kvpress.StreamingLLMPress,
+            "snapkv": kvpress.SnapKVPress,
+            "knorm": kvpress.KnormPress,
+            "tova": kvpress.TOVAPress,
+        }
+        self.reference: list[torch.Tensor] | None = None
+
+    def setup(self, method: str, ids: torch.Tensor, budget: int, kept: bool) -> Setup:
+        cache = DynamicCache(config=self.model.config)
+        if method == DYNAMIC:
+            return Setup(cache)
+        if method not in self.presses:
+            raise ValueError(f"unknown press {method!r}; expected one of {', '.join(self.presses)}")
+        if kept and self.reference is None:  # the prompt's keys, unpressed: a press keeps copies of some of them
+            full = DynamicCache(config=self.model.config)
+            with torch.inference_mode():
+                self.model(ids, past_key_values=full, use_cache=True, logits_to_keep=1)
+            self.reference = [layer.keys[0].clone() for layer in full.layers]
+        press = self.presses[method](compression_ratio=self.ratio)
+        return Setup(
             cache,
-            prefill=lambda press=press: press(model),
+            prefill=lambda: press(self.model),
             kept=lambda c: [
-                match_positions(layer.keys[0], ref) for layer, ref in zip(c.layers, reference, strict=True)
+                match_positions(lay.keys[0], ref) for lay, ref in zip(c.layers, self.reference, strict=True)
             ],
         )
 
 
-def kvsieve_setups(model: PreTrainedModel, request: dict[str, Any], ids: torch.Tensor) -> Iterator[Setup]:
-    """A setup per requested method: ``kvsieve.make_cache`` at ``budget`` tokens (kvsieve's attention), or a
-    ``DynamicCache`` with sdpa."""
-    from kvsieve.api import make_cache
+class KvsieveSide:
+    """kvsieve's caches (``make_cache`` at ``budget`` tokens, kvsieve's attention), or a ``DynamicCache`` with sdpa."""
 
-    for spec in request["methods"]:
-        if spec == DYNAMIC:
-            model.set_attn_implementation("sdpa")
-            yield Setup(DynamicCache(config=model.config))
-            continue
-        cache = make_cache(model, spec, request["budget"])
-        yield Setup(
-            cache,
+    def __init__(self, model: PreTrainedModel, compression_ratio: float) -> None:
+        self.model = model
+
+    def setup(self, method: str, ids: torch.Tensor, budget: int, kept: bool) -> Setup:
+        from kvsieve.api import make_cache
+
+        if method == DYNAMIC:
+            self.model.set_attn_implementation("sdpa")
+            return Setup(DynamicCache(config=self.model.config))
+        return Setup(
+            make_cache(self.model, method, budget),
             kept=lambda c: [
                 [sorted(p for p in head if p >= 0) for head in c.positions(i)[0].tolist()] for i in range(len(c.layers))
             ],
@@ -169,7 +176,7 @@ def kvsieve_setups(model: PreTrainedModel, request: dict[str, Any], ids: torch.T
         )
 
 
-SIDES = {"kvsieve": kvsieve_setups, "kvpress": kvpress_setups}
+SIDES = {"kvsieve": KvsieveSide, "kvpress": KvpressSide}
 
 
 def versions(side: str) -> dict[str, str]:
@@ -182,27 +189,45 @@ def versions(side: str) -> dict[str, str]:
     return {side: library, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def work(request: dict[str, Any]) -> dict[str, Any]:
-    """Load the model, warm every method up on the first ``warmup`` tokens (two decode steps, untimed), then run
-    each method once over all ``ids``; the reply (see the module docstring)."""
-    side = request["side"]
-    if side not in SIDES:
-        raise ValueError(f"unknown side {side!r}; expected one of {', '.join(SIDES)}")
-    model = load(request["model"], request["threads"])
-    ids = torch.tensor([request["ids"]])
-    warm = ids[:, : request["warmup"]]
-    warm_request = {**request, "kept": False, "budget": max(1, request["budget"] * warm.shape[1] // ids.shape[1])}
-    for setup in SIDES[side](model, warm_request, warm):
-        measure(model, setup, warm, 2, kept=False)
-    runs = {}
-    for name, setup in zip(request["methods"], SIDES[side](model, request, ids), strict=True):
-        print(f"{side}: {name}", file=sys.stderr, flush=True)
-        runs[name] = measure(model, setup, ids, request["steps"], request["kept"])
-    return {"side": side, "versions": versions(side), "threads": torch.get_num_threads(), "runs": runs}
+class Worker:
+    """One side's model, prompt and methods (see the module docstring)."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.name = request["side"]
+        if self.name not in SIDES:
+            raise ValueError(f"unknown side {self.name!r}; expected one of {', '.join(SIDES)}")
+        self.model = load(request["model"], request["threads"])
+        self.side = SIDES[self.name](self.model, request["compression_ratio"])
+        self.ids, self.budget = torch.tensor([request["ids"]]), request["budget"]
+        warm = self.ids[:, : request["warmup"]]
+        warm_budget = max(1, self.budget * warm.shape[1] // self.ids.shape[1])
+        for method in request["methods"]:
+            measure(self.model, self.side.setup(method, warm, warm_budget, False), warm, 2, kept=False)
+
+    def hello(self) -> dict[str, Any]:
+        return {"side": self.name, "versions": versions(self.name), "threads": torch.get_num_threads()}
+
+    def run(self, command: dict[str, Any]) -> dict[str, Any]:
+        setup = self.side.setup(command["method"], self.ids, self.budget, command["kept"])
+        return measure(self.model, setup, self.ids, command["steps"], command["kept"])
+
+
+def serve(lines: Iterable[str], out: TextIO) -> None:
+    """Answer the setup line, then each run line, one JSON line each, flushed."""
+    worker = None
+    for line in lines:
+        request = json.loads(line)
+        if worker is None:
+            worker = Worker(request)
+            reply = worker.hello()
+        else:
+            reply = worker.run(request)
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
 
 
 def main() -> None:
-    print(json.dumps(work(json.load(sys.stdin))))
+    serve(sys.stdin, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -53,28 +53,29 @@ def _run(prefill: float, step: float, kv: int, kept: list | None = None) -> dict
     return run if kept is None else {**run, "kept": kept}
 
 
-def _replies() -> list[dict]:
-    """Three rounds: kvsieve ran two knorm settings, kvpress its one KnormPress."""
+def _runs() -> list[dict]:
+    """Three rounds: kvsieve ran two knorm settings, each paired with a KnormPress run."""
     kept_s, kept_p = [[[0, 1, 2]]], [[[1, 2, 3]]]
     rounds = []
     for i, (s, p) in enumerate([(1.0, 2.0), (3.0, 2.0), (2.0, 8.0)]):
         kept = i == 0
         rounds.append(
             {
-                "kvsieve": {
-                    "runs": {
-                        "knorm": _run(s, 10 * s, 800, kept_s if kept else None),
-                        "knorm:recent=0": _run(s, 10 * s, 800, kept_p if kept else None),
-                    }
+                "knorm": {
+                    "kvsieve": _run(s, 10 * s, 800, kept_s if kept else None),
+                    "kvpress": _run(p, 10 * p, 1600, kept_p if kept else None),
                 },
-                "kvpress": {"runs": {"knorm": _run(p, 10 * p, 1600, kept_p if kept else None)}},
+                "knorm:recent=0": {
+                    "kvsieve": _run(s, 10 * s, 800, kept_p if kept else None),
+                    "kvpress": _run(p, 10 * p, 1600, kept_p if kept else None),
+                },
             }
         )
     return rounds
 
 
 def test_summarize_takes_medians_and_per_round_ratios():
-    rows = driver.summarize(_replies(), ["knorm", "knorm:recent=0"])
+    rows = driver.summarize(_runs(), ["knorm", "knorm:recent=0"])
     assert [r["method"] for r in rows] == ["knorm", "knorm:recent=0"]
     knorm = rows[0]
     assert knorm["press"] == "KnormPress"
@@ -88,7 +89,7 @@ def test_summarize_takes_medians_and_per_round_ratios():
 
 
 def test_tables_have_a_line_per_row():
-    rows = driver.summarize(_replies(), ["knorm", "knorm:recent=0"])
+    rows = driver.summarize(_runs(), ["knorm", "knorm:recent=0"])
     text = driver.text_table(rows).splitlines()
     assert len(text) == 3 and text[0].startswith("kvsieve")
     assert "0.50×" in text[1] and "0.500 (0.500)" in text[1]
@@ -155,16 +156,25 @@ def test_main_refuses_in_one_line_before_running(model_and_venv, monkeypatch):
     assert message.startswith("kvpress_side_by_side: error: no kvpress virtualenv at") and "\n" not in message
 
 
-def test_requests_alternate_sides_and_method_order(model_and_venv):
+def test_schedule_pairs_runs_and_alternates():
+    plan = driver.schedule(["a", "b", "c"], 2)
+    assert plan == [
+        (0, "a", "kvsieve"), (0, "a", "kvpress"),
+        (0, "b", "kvpress"), (0, "b", "kvsieve"),
+        (0, "c", "kvsieve"), (0, "c", "kvpress"),
+        (1, "c", "kvpress"), (1, "c", "kvsieve"),
+        (1, "b", "kvsieve"), (1, "b", "kvpress"),
+        (1, "a", "kvpress"), (1, "a", "kvsieve"),
+    ]  # fmt: skip
+
+
+def test_setup_requests_share_ids_and_settings(model_and_venv):
     settings = _settings(model_and_venv, quick=True, methods=["knorm", "knorm:recent=0", "tova"])
-    first, second = driver.requests(settings, [5, 6, 7], 0), driver.requests(settings, [5, 6, 7], 1)
-    assert [r["side"] for r in first] == ["kvsieve", "kvpress"]
-    assert [r["side"] for r in second] == ["kvpress", "kvsieve"]
-    assert first[0]["methods"] == ["knorm", "knorm:recent=0", "tova"] and first[1]["methods"] == ["knorm", "tova"]
-    assert second[1]["methods"] == ["tova", "knorm:recent=0", "knorm"] and second[0]["methods"] == ["tova", "knorm"]
-    assert all(r["kept"] for r in first) and not any(r["kept"] for r in second)
-    assert {r["budget"] for r in first + second} == {102} and first[1]["compression_ratio"] == 0.8
-    assert all(r["ids"] == [5, 6, 7] for r in first + second)
+    kvsieve, kvpress = (driver.setup_request(settings, [5, 6, 7], side) for side in ("kvsieve", "kvpress"))
+    assert kvsieve["methods"] == ["knorm", "knorm:recent=0", "tova"] and kvpress["methods"] == ["knorm", "tova"]
+    for request in (kvsieve, kvpress):
+        assert request["ids"] == [5, 6, 7] and request["budget"] == 102 and request["compression_ratio"] == 0.8
+        assert request["threads"] == 1 and request["warmup"] == 512
 
 
 def test_match_positions_recovers_gathered_rows():
@@ -177,37 +187,37 @@ def test_match_positions_recovers_gathered_rows():
         worker.match_positions(kept, reference)
 
 
-def test_kvsieve_worker_json_on_a_tiny_model(tiny_factory, tmp_path, monkeypatch, capsys):
+def test_kvsieve_worker_json_on_a_tiny_model(tiny_factory, tmp_path):
     tiny_factory("llama_gqa").save_pretrained(tmp_path / "tiny")
     ids = torch.randint(3, 128, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-    request = {
+    methods = ["dynamic", "streaming_llm", "knorm:recent=0", "snapkv:window=64,kernel=5", "tova"]
+    setup = {
         "side": "kvsieve",
         "model": str(tmp_path / "tiny"),
         "ids": ids,
-        "steps": 3,
         "threads": 1,
-        "methods": ["dynamic", "streaming_llm", "knorm:recent=0", "snapkv:window=64,kernel=5", "tova"],
+        "methods": methods,
         "budget": 102,
         "compression_ratio": 0.8,
-        "kept": True,
         "warmup": 512,
     }
-    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(request)))
-    worker.main()
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1
-    reply = json.loads(lines[0])
-    assert reply["side"] == "kvsieve" and reply["threads"] == 1
-    assert set(reply["versions"]) == {"kvsieve", "torch", "transformers"}
-    runs = reply["runs"]
-    assert list(runs) == request["methods"]
+    lines = [json.dumps(setup)] + [json.dumps({"method": m, "steps": 3, "kept": m != "tova"}) for m in methods]
+    out = io.StringIO()
+    worker.serve(lines, out)
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(replies) == 1 + len(methods)
+    hello, runs = replies[0], dict(zip(methods, replies[1:], strict=True))
+    assert hello["side"] == "kvsieve" and hello["threads"] == 1
+    assert set(hello["versions"]) == {"kvsieve", "torch", "transformers"}
     per_slot = 2 * 3 * 2 * 16 * 4  # K and V, 3 layers, 2 KV heads of dim 16, fp32
     assert runs["dynamic"]["slots"] == 512 + 3 and runs["dynamic"]["kv_bytes"] == (512 + 3) * per_slot
-    assert "kept" not in runs["dynamic"]
-    for name in request["methods"][1:]:
+    assert "kept" not in runs["dynamic"] and "kept" not in runs["tova"]
+    for name in methods[1:]:
         run = runs[name]
         assert run["prefill_s"] > 0 and run["step_ms"] > 0 and run["extra_bytes"] > 0
         assert run["slots"] == 103 and run["kv_bytes"] == 103 * per_slot  # the budget (+ the stale slot), held
-        assert len(run["kept"]) == 3 and all(len(layer) == 2 for layer in run["kept"])
-        assert all(len(head) == 102 and head == sorted(head) for layer in run["kept"] for head in layer)
+    for name in methods[1:-1]:
+        kept = runs[name]["kept"]
+        assert len(kept) == 3 and all(len(layer) == 2 for layer in kept)
+        assert all(len(head) == 102 and head == sorted(head) for layer in kept for head in layer)
     assert all(head == [0, 1, 2, 3, *range(414, 512)] for layer in runs["streaming_llm"]["kept"] for head in layer)
