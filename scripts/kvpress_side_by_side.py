@@ -10,8 +10,9 @@ constraint). Each side runs in its own process (``scripts/kvpress_worker.py``, w
 kept alive for the whole run, loading the same safetensors weights (the built-in SmolLM2-135M-Instruct copy) in fp32
 on the same number of threads, and gets the same token ids (one built-in Wikipedia article). The runs alternate: a
 method's kvsieve run and its kvpress run back to back, the side going first alternating from one method to the next,
-the methods in reverse order in odd rounds. Figures are medians over rounds, ratios medians of the per-round ratios
-(kvsieve / kvpress) of those back-to-back pairs.
+the methods in reverse order in odd rounds; within a pair, the two sides' decode steps alternate one by one (as
+``kvsieve bench`` runs its policies in lockstep), so a slow spell of this shared machine falls on both alike.
+Figures are medians over rounds, ratios medians of the per-round ratios (kvsieve / kvpress) of those pairs.
 
 Each method keeps 20 %: kvpress's ``compression_ratio=0.8`` keeps ``int(L·(1−0.8))`` tokens, and kvsieve gets that
 many as its budget (its ratio budget 0.2 would round: one token more at 2,048). Per method: prefill time, median
@@ -231,15 +232,30 @@ def setup_request(settings: Settings, ids: list[int], side: str) -> dict[str, An
     }
 
 
-def schedule(methods: Sequence[str], rounds: int) -> list[tuple[int, str, str]]:
-    """The runs in order, ``(round, kvsieve method, side)``: each method's two runs back to back, the side going
-    first alternating from one to the next, the methods in reverse order in odd rounds."""
-    runs = []
+def schedule(methods: Sequence[str], rounds: int) -> list[tuple[int, str, tuple[str, str]]]:
+    """The pairs of runs in order, ``(round, kvsieve method, sides in order)``: the side going first alternates from
+    one method to the next, the methods in reverse order in odd rounds."""
+    plan = []
     for r in range(rounds):
         for i, method in enumerate(methods if r % 2 == 0 else methods[::-1]):
-            sides = SIDES if (r + i) % 2 == 0 else SIDES[::-1]
-            runs += [(r, method, side) for side in sides]
-    return runs
+            plan.append((r, method, SIDES if (r + i) % 2 == 0 else SIDES[::-1]))
+    return plan
+
+
+def run_pair(
+    workers: dict[str, WorkerProcess], method: str, order: tuple[str, str], steps: int, kept: bool, tick: Any
+) -> dict[str, dict[str, Any]]:
+    """One method on both sides in lockstep: the two prefills back to back, then one decode step of each in turn
+    (the first alternating), so that a slow spell of the machine falls on both alike; each side's run."""
+    names = {"kvsieve": method, "kvpress": METHODS[method]}
+    for side in order:
+        workers[side].ask({"do": "start", "method": names[side], "kept": kept})
+    tick()
+    for i in range(steps):
+        for side in order if i % 2 == 0 else order[::-1]:
+            workers[side].ask({"do": "step"})
+        tick()
+    return {side: workers[side].ask({"do": "finish"}) for side in order}
 
 
 def jaccard(a: Sequence[int], b: Sequence[int]) -> float:
@@ -358,10 +374,10 @@ def run(settings: Settings) -> dict[str, Any]:
             workers[side] = WorkerProcess(pythons[side], setup_request(settings, ids, side), settings.threads, log)
             stack.callback(workers[side].close)
         plan = schedule(settings.methods, settings.rounds)
-        for r, method, side in tqdm(plan, desc="side by side", unit="run"):
-            name = method if side == "kvsieve" else METHODS[method]
-            command = {"method": name, "steps": settings.steps, "kept": r == 0}
-            runs[r][method][side] = workers[side].ask(command)
+        with tqdm(total=len(plan) * (settings.steps + 1), desc="side by side", unit="step") as bar:
+            for r, method, order in plan:
+                bar.set_postfix_str(f"round {r + 1} {method}")
+                runs[r][method] = run_pair(workers, method, order, settings.steps, r == 0, bar.update)
     return {
         "context": settings.context,
         "steps": settings.steps,

@@ -2,7 +2,7 @@
 
 It runs under either virtualenv: kvsieve's (``.venv``, side ``kvsieve``) or kvpress's (``.venv-kvpress``, side
 ``kvpress``: kvpress 0.5.5 needs transformers < 5.3). At the top it imports only torch and transformers; each side
-imports its own library, so both sides time the very same loop (:func:`measure`) on the same weights. The driver
+imports its own library, so both sides time the very same code (:class:`Measurement`) on the same weights. The driver
 keeps one process per side alive and alternates their runs.
 
 The first line on stdin sets the process up::
@@ -14,11 +14,13 @@ The first line on stdin sets the process up::
 kvpress side, and ``"dynamic"`` on both (transformers' ``DynamicCache``, sdpa, nothing evicted). The kvsieve side
 keeps ``budget`` tokens; the kvpress side compresses by ``compression_ratio``. The process loads the model, warms
 every method up on the first ``warmup`` tokens (two decode steps, untimed) and answers ``{"side", "versions",
-"threads"}``. Each next line, ``{"method": name, "steps": N, "kept": bool}``, runs one method over all ``ids`` and
-is answered with its run: ``prefill_s``, ``step_ms`` (median decode step), ``kv_bytes`` (keys and values held after
-the ``N`` decode steps), ``extra_bytes`` (other per-token cache state: kvsieve's positions and policy scores),
-``slots`` (tokens a layer's buffers hold, at most) and, with ``"kept": true``, ``kept``: for each layer and KV head
-(batch row 0), the sorted prompt positions the cache holds right after the prefill.
+"threads"}``. Then one method's run at a time, a step per line, so that the driver can alternate the two sides'
+decode steps: ``{"do": "start", "method": name, "kept": bool}`` prefills all ``ids`` (answer: ``prefill_s``),
+``{"do": "step"}`` runs one greedy decode step (answer: ``{}``), ``{"do": "finish"}`` answers the run: ``prefill_s``,
+``steps``, ``step_ms`` (median decode step), ``kv_bytes`` (keys and values held after the steps), ``extra_bytes``
+(other per-token cache state: kvsieve's positions and policy scores), ``slots`` (tokens a layer's buffers hold, at
+most) and, with ``"kept": true``, ``kept``: for each layer and KV head (batch row 0), the sorted prompt positions the
+cache held right after the prefill.
 """
 
 from __future__ import annotations
@@ -72,30 +74,37 @@ def kv_bytes(cache: Cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
 
 
-@torch.inference_mode()
-def measure(model: PreTrainedModel, setup: Setup, ids: torch.Tensor, steps: int, kept: bool) -> dict[str, Any]:
-    """Prefill ``ids`` (timed with the method's prefill wrapper), read what it kept (untimed), then ``steps`` greedy
-    decode steps of one token each, each timed."""
-    start = time.perf_counter()
-    with setup.prefill():
-        token = next_token(model, setup.cache, ids)
-    prefill_s = time.perf_counter() - start
-    run: dict[str, Any] = {"prefill_s": prefill_s}
-    if kept and setup.kept is not None:
-        run["kept"] = setup.kept(setup.cache)
-    step_s = []
-    for _ in range(steps):
+class Measurement:
+    """One method's run over a prompt: the prefill (timed, inside the method's prefill wrapper), what it kept (read
+    untimed), then greedy decode steps of one token each, each timed; :meth:`result` sums it up."""
+
+    @torch.inference_mode()
+    def __init__(self, model: PreTrainedModel, setup: Setup, ids: torch.Tensor, kept: bool) -> None:
+        self.model, self.setup = model, setup
         start = time.perf_counter()
-        token = next_token(model, setup.cache, token)
-        step_s.append(time.perf_counter() - start)
-    layers = [layer for layer in setup.cache.layers if layer.keys is not None]
-    run |= {
-        "step_ms": statistics.median(step_s) * 1e3,
-        "kv_bytes": kv_bytes(setup.cache),
-        "extra_bytes": setup.extra_bytes(setup.cache),
-        "slots": max(layer.keys.shape[-2] for layer in layers),
-    }
-    return run
+        with setup.prefill():
+            self.token = next_token(model, setup.cache, ids)
+        self.prefill_s = time.perf_counter() - start
+        self.kept = setup.kept(setup.cache) if kept and setup.kept is not None else None
+        self.step_s: list[float] = []
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        start = time.perf_counter()
+        self.token = next_token(self.model, self.setup.cache, self.token)
+        self.step_s.append(time.perf_counter() - start)
+
+    def result(self) -> dict[str, Any]:
+        cache = self.setup.cache
+        run = {
+            "prefill_s": self.prefill_s,
+            "steps": len(self.step_s),
+            "step_ms": statistics.median(self.step_s) * 1e3,
+            "kv_bytes": kv_bytes(cache),
+            "extra_bytes": self.setup.extra_bytes(cache),
+            "slots": max(layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None),
+        }
+        return run if self.kept is None else {**run, "kept": self.kept}
 
 
 def match_positions(kept: torch.Tensor, reference: torch.Tensor) -> list[list[int]]:
@@ -202,18 +211,32 @@ class Worker:
         warm = self.ids[:, : request["warmup"]]
         warm_budget = max(1, self.budget * warm.shape[1] // self.ids.shape[1])
         for method in request["methods"]:
-            measure(self.model, self.side.setup(method, warm, warm_budget, False), warm, 2, kept=False)
+            run = Measurement(self.model, self.side.setup(method, warm, warm_budget, False), warm, kept=False)
+            run.step()
+            run.step()
+        self.run: Measurement | None = None
 
     def hello(self) -> dict[str, Any]:
         return {"side": self.name, "versions": versions(self.name), "threads": torch.get_num_threads()}
 
-    def run(self, command: dict[str, Any]) -> dict[str, Any]:
-        setup = self.side.setup(command["method"], self.ids, self.budget, command["kept"])
-        return measure(self.model, setup, self.ids, command["steps"], command["kept"])
+    def answer(self, command: dict[str, Any]) -> dict[str, Any]:
+        """``start`` a method's run (its prefill), ``step`` it once, or ``finish`` it (its result)."""
+        match command["do"]:
+            case "start":
+                setup = self.side.setup(command["method"], self.ids, self.budget, command["kept"])
+                self.run = Measurement(self.model, setup, self.ids, command["kept"])
+                return {"prefill_s": self.run.prefill_s}
+            case "step":
+                self.run.step()
+                return {}
+            case "finish":
+                result, self.run = self.run.result(), None
+                return result
+        raise ValueError(f"unknown command {command['do']!r}; expected start, step or finish")
 
 
 def serve(lines: Iterable[str], out: TextIO) -> None:
-    """Answer the setup line, then each run line, one JSON line each, flushed."""
+    """Answer the setup line, then each command line, one JSON line each, flushed."""
     worker = None
     for line in lines:
         request = json.loads(line)
@@ -221,7 +244,7 @@ def serve(lines: Iterable[str], out: TextIO) -> None:
             worker = Worker(request)
             reply = worker.hello()
         else:
-            reply = worker.run(request)
+            reply = worker.answer(request)
         out.write(json.dumps(reply) + "\n")
         out.flush()
 

@@ -156,16 +156,37 @@ def test_main_refuses_in_one_line_before_running(model_and_venv, monkeypatch):
     assert message.startswith("kvpress_side_by_side: error: no kvpress virtualenv at") and "\n" not in message
 
 
-def test_schedule_pairs_runs_and_alternates():
-    plan = driver.schedule(["a", "b", "c"], 2)
-    assert plan == [
-        (0, "a", "kvsieve"), (0, "a", "kvpress"),
-        (0, "b", "kvpress"), (0, "b", "kvsieve"),
-        (0, "c", "kvsieve"), (0, "c", "kvpress"),
-        (1, "c", "kvpress"), (1, "c", "kvsieve"),
-        (1, "b", "kvsieve"), (1, "b", "kvpress"),
-        (1, "a", "kvpress"), (1, "a", "kvsieve"),
+def test_schedule_alternates_the_side_going_first_and_the_method_order():
+    kvs, kvp = ("kvsieve", "kvpress"), ("kvpress", "kvsieve")
+    assert driver.schedule(["a", "b", "c"], 2) == [
+        (0, "a", kvs), (0, "b", kvp), (0, "c", kvs),
+        (1, "c", kvp), (1, "b", kvs), (1, "a", kvp),
     ]  # fmt: skip
+
+
+class FakeWorker:
+    def __init__(self, side: str, log: list) -> None:
+        self.side, self.log = side, log
+
+    def ask(self, request: dict) -> dict:
+        self.log.append((self.side, request.get("method", request["do"])))
+        return {"side": self.side} if request["do"] == "finish" else {}
+
+
+def test_run_pair_steps_both_sides_in_lockstep():
+    log, ticks = [], []
+    workers = {side: FakeWorker(side, log) for side in ("kvsieve", "kvpress")}
+    order = ("kvpress", "kvsieve")
+    runs = driver.run_pair(workers, "snapkv:window=64,kernel=5", order, 3, True, lambda: ticks.append(len(log)))
+    assert runs == {"kvpress": {"side": "kvpress"}, "kvsieve": {"side": "kvsieve"}}
+    assert log == [
+        ("kvpress", "snapkv"), ("kvsieve", "snapkv:window=64,kernel=5"),
+        ("kvpress", "step"), ("kvsieve", "step"),
+        ("kvsieve", "step"), ("kvpress", "step"),
+        ("kvpress", "step"), ("kvsieve", "step"),
+        ("kvpress", "finish"), ("kvsieve", "finish"),
+    ]  # fmt: skip
+    assert ticks == [2, 4, 6, 8]  # after the prefills, then after each pair of steps
 
 
 def test_setup_requests_share_ids_and_settings(model_and_venv):
@@ -201,12 +222,17 @@ def test_kvsieve_worker_json_on_a_tiny_model(tiny_factory, tmp_path):
         "compression_ratio": 0.8,
         "warmup": 512,
     }
-    lines = [json.dumps(setup)] + [json.dumps({"method": m, "steps": 3, "kept": m != "tova"}) for m in methods]
+    lines = [json.dumps(setup)]
+    for m in methods:
+        start = {"do": "start", "method": m, "kept": m != "tova"}
+        lines += [json.dumps(c) for c in (start, {"do": "step"}, {"do": "step"}, {"do": "step"}, {"do": "finish"})]
     out = io.StringIO()
     worker.serve(lines, out)
     replies = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(replies) == 1 + len(methods)
-    hello, runs = replies[0], dict(zip(methods, replies[1:], strict=True))
+    assert len(replies) == 1 + 5 * len(methods)
+    hello, runs = replies[0], dict(zip(methods, replies[5::5], strict=True))
+    assert all(r == {} for r in replies[2::5] + replies[3::5] + replies[4::5])
+    assert [r["prefill_s"] for r in replies[1::5]] == [r["prefill_s"] for r in runs.values()]
     assert hello["side"] == "kvsieve" and hello["threads"] == 1
     assert set(hello["versions"]) == {"kvsieve", "torch", "transformers"}
     per_slot = 2 * 3 * 2 * 16 * 4  # K and V, 3 layers, 2 KV heads of dim 16, fp32
@@ -214,7 +240,7 @@ def test_kvsieve_worker_json_on_a_tiny_model(tiny_factory, tmp_path):
     assert "kept" not in runs["dynamic"] and "kept" not in runs["tova"]
     for name in methods[1:]:
         run = runs[name]
-        assert run["prefill_s"] > 0 and run["step_ms"] > 0 and run["extra_bytes"] > 0
+        assert run["prefill_s"] > 0 and run["step_ms"] > 0 and run["steps"] == 3 and run["extra_bytes"] > 0
         assert run["slots"] == 103 and run["kv_bytes"] == 103 * per_slot  # the budget (+ the stale slot), held
     for name in methods[1:-1]:
         kept = runs[name]["kept"]
