@@ -89,7 +89,7 @@ class SlotStore:
     def reserve(self, needed: int) -> None:
         """Grow the buffers to hold ``needed`` slots (by at least :data:`GROWTH`, never past ``limit``)."""
         if needed > self.capacity:
-            grown = int(max(needed, min(needed + max(GROWTH, needed // 4), self.limit)))
+            grown = grown_capacity(needed, self.limit)
             used = self.used
             self._map(lambda t: _resized(t, grown, used))
 
@@ -154,6 +154,12 @@ class SlotStore:
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
         self.state = {name: fn(t) for name, t in self.state.items()}
+
+
+def grown_capacity(needed: int, limit: int | float) -> int:
+    """The slots a buffer grows to when ``needed`` slots do not fit: at least :data:`GROWTH` (or a quarter) more,
+    never past ``limit`` (nor below ``needed``)."""
+    return int(max(needed, min(needed + max(GROWTH, needed // 4), limit)))
 
 
 def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:
