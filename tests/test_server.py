@@ -4,6 +4,7 @@ output of every request must be ``kvsieve.generate``'s with the same policy and 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -202,3 +203,147 @@ def test_reservation_is_what_the_cache_holds(tiny_models, make_ids, model_name, 
         assert reserved.peak > reserved.steady
     else:
         assert reserved.peak == reserved.steady
+
+
+def test_sixteen_streams_with_mixed_policies_equal_their_solo_runs_under_the_cap(serve, tiny_lm) -> None:
+    cap = 120_000  # (bytes: a few of these requests at once, so that the others queue)
+    base = serve(kv_cap_bytes=cap, max_batch=16, max_queue=16)
+    runs = [(prompt, *spec) for spec in MIXED for prompt in PROMPTS[:2]]
+    expected = [solo(tiny_lm, prompt, policy, budget, params, 24) for prompt, policy, budget, params in runs]
+    seen = {"held": 0.0, "reserved": 0.0, "queued": 0.0}
+
+    async def watch(done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(base_url=base) as http:
+            while not done.is_set():
+                text = (await http.get("/metrics")).text
+                for line in text.splitlines():
+                    for key, name in (("held", "kvsieve_kv_bytes_held"), ("reserved", "kvsieve_kv_bytes_reserved")):
+                        if line.startswith(name + " "):
+                            seen[key] = max(seen[key], float(line.split()[-1]))
+                    if line.startswith("kvsieve_queue_depth "):
+                        seen["queued"] = max(seen["queued"], float(line.split()[-1]))
+                await asyncio.sleep(0.01)
+
+    async def one(api: openai.AsyncOpenAI, prompt: str, policy: str, budget, params: dict) -> str:
+        stream = await api.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body=kv_body(policy, budget, params),
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def main() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        try:
+            return await asyncio.gather(*(one(api, *run) for run in runs))
+        finally:
+            done.set()
+            await watcher
+
+    texts = asyncio.run(main())
+    for run, text, want in zip(runs, texts, expected, strict=True):
+        assert text == want, run
+    assert 0 < seen["held"] <= cap and seen["reserved"] <= cap
+    assert seen["queued"] > 0  # the cap held requests back
+    assert 0 < metric(base, "kvsieve_kv_bytes_held_max") <= cap
+    assert metric(base, "kvsieve_kv_bytes_held") == 0
+    assert metric(base, "kvsieve_requests_admitted_total") == len(runs)
+
+
+def wait_for(base: str, ok: Callable[[dict], bool], seconds: float = 20) -> dict:
+    """Poll /health until ``ok`` holds for its JSON."""
+    deadline = time.monotonic() + seconds
+    while True:
+        state = httpx.get(f"{base}/health", timeout=10).json()
+        if ok(state):
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.02)
+
+
+def test_a_cancelled_stream_frees_its_rows_and_a_full_queue_gets_429(serve, tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    ids = tokenizer(PROMPTS[0]).input_ids
+    one = reservation(model, kvsieve.make_cache(model, "h2o", 16), len(ids), 900).peak
+    base = serve(kv_cap_bytes=one, max_batch=4, max_queue=1)  # one request runs, one waits
+    slow = model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))  # (900 steps: time to act)
+    try:
+        check_cancel_and_queue(base, one)
+    finally:
+        slow.remove()
+
+
+def check_cancel_and_queue(base: str, one: int) -> None:
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True}
+    results: list[httpx.Response] = []
+    queued = {**body, "stream": False, "max_tokens": 5}
+    waiting = threading.Thread(
+        target=lambda: results.append(httpx.post(f"{base}/v1/completions", json=queued, timeout=60))
+    )
+    with httpx.Client(base_url=base, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as first:
+        lines = first.iter_lines()  # (kept: dropping the iterator closes the connection)
+        assert next(lines).startswith("data: ")  # running
+        waiting.start()
+        wait_for(base, lambda s: s["waiting"] == 1 and s["running"] == 1)
+        refused = http.post("/v1/completions", json={**body, "stream": False})
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+    # The first stream is closed mid-way: its rows go at the next step, and the queued request runs.
+    waiting.join(timeout=60)
+    assert results[0].status_code == 200 and results[0].json()["usage"]["completion_tokens"] == 5
+    state = wait_for(base, lambda s: s["running"] == 0)
+    assert state["kv_bytes_held"] == 0 and state["kv_bytes_reserved"] == 0
+    assert metric(base, 'kvsieve_requests_finished_total{reason="cancelled"}') == 1
+    assert metric(base, "kvsieve_generation_tokens_total") < 900
+    assert metric(base, 'kvsieve_requests_rejected_total{reason="queue_full"}') == 1
+
+
+def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> None:
+    base = serve(kv_cap_bytes=200_000)
+    good = {"model": NAME, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    cases = [
+        ({**good, "kv_policy": "nope"}, 400, "kv_policy"),
+        ({**good, "kv_budget": 0}, 400, "kv_budget"),
+        ({**good, "kv_budget": 1.5}, 400, "kv_budget"),
+        ({**good, "kv_budget": "lots"}, 400, "kv_budget"),
+        ({**good, "kv_params": {"bogus": 1}}, 400, "kv_params"),
+        ({**good, "kv_policy": "streaming_llm", "kv_budget": 4, "kv_params": {"sink": 8}}, 400, "kv_budget"),
+        ({**good, "kv_policy": "full", "max_tokens": 900}, 400, "kv_budget"),  # more bytes than the cap
+        ({**good, "prompt": [5] * 1020, "max_tokens": 10}, 400, "max_tokens"),  # past the model's 1024 positions
+        ({**good, "prompt": [10**9]}, 400, "prompt"),
+        ({**good, "prompt": ""}, 400, "prompt"),
+        ({**good, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({**good, "n": 2}, 400, "n"),
+        ({**good, "logprobs": 3}, 400, "logprobs"),
+        ({**good, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({**good, "best_of": 3}, 400, "best_of"),
+        ({**good, "tools": []}, 400, "tools"),
+        ({**good, "max_tokens": 0}, 400, "max_tokens"),
+        ({**good, "temperature": 3}, 400, "temperature"),
+        ({**good, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({k: v for k, v in good.items() if k != "prompt"}, 400, "prompt"),
+        ({**good, "model": "gpt-4"}, 404, "model"),
+    ]
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for body, status, param in cases:
+            got = http.post("/v1/completions", json=body)
+            assert got.status_code == status, (body, got.text)
+            error = got.json()["error"]
+            assert error["param"] == param and error["message"] and error["type"], (body, error)
+        for path, raw in (("/v1/completions", b'{"model": "tiny", "prompt": '), ("/v1/chat/completions", b"[1, 2")):
+            got = http.post(path, content=raw, headers={"content-type": "application/json"})
+            assert got.status_code == 400 and "not valid JSON" in got.json()["error"]["message"]
+        for body, param in (({**chat, "messages": []}, "messages"), ({**chat, "functions": []}, "functions")):
+            got = http.post("/v1/chat/completions", json=body)
+            assert got.status_code == 400 and got.json()["error"]["param"] == param
+        got = http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "robot", "content": "x"}]})
+        assert got.status_code == 400 and got.json()["error"]["param"].startswith("messages.0.role")
+        assert http.post("/v1/completions", json=good).status_code == 200
+        assert http.get("/health").json()["status"] == "ok"
+    assert metric(base, 'kvsieve_requests_rejected_total{reason="invalid"}') == len(cases) + 5
