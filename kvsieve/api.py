@@ -127,9 +127,7 @@ def generate(
     )
 
 
-def eos_ids(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ids: int | list[int] | None = None
-) -> set[int]:
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ids: int | list[int] | None = None) -> set[int]:
     """The EOS ids generation stops at: ``ids`` (an ``eos_token_id`` passed to generate), else the model's."""
     if ids is None and model.generation_config is not None:
         ids = model.generation_config.eos_token_id

@@ -253,6 +253,8 @@ def test_sixteen_streams_with_mixed_policies_equal_their_solo_runs_under_the_cap
     assert 0 < metric(base, "kvsieve_kv_bytes_held_max") <= cap
     assert metric(base, "kvsieve_kv_bytes_held") == 0
     assert metric(base, "kvsieve_requests_admitted_total") == len(runs)
+    # Requests of one policy and budget in tokens decoded together (continuous batching).
+    assert metric(base, "kvsieve_decode_batch_rows_sum") > metric(base, "kvsieve_decode_batch_rows_count")
 
 
 def wait_for(base: str, ok: Callable[[dict], bool], seconds: float = 20) -> dict:

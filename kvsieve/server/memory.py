@@ -25,10 +25,13 @@ POSITION_BYTES = torch.empty((), dtype=torch.long).element_size()
 
 @dataclass(frozen=True)
 class Reservation:
-    """Bytes a request's cache may hold: ``steady`` (every decode step), ``peak`` (during its prefill)."""
+    """Bytes a request's cache may hold: ``steady`` (every decode step), ``peak`` (during its prefill).
+    ``batch_key``: for a cache whose every layer holds ``budget + 1`` slots once it evicts, what another cache must
+    share to decode in one batch with it (its rows then never hold more than ``steady``); None for any other."""
 
     steady: int
     peak: int
+    batch_key: str | None = None
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int]:
@@ -47,15 +50,18 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
     kv_heads, head_dim = kv_geometry(model)
     kv_bytes = 2 * head_dim * model.dtype.itemsize
     fed = prompt_tokens + max_tokens - 1
-    steady, transient = 0, 0
+    steady, transient, fixed = 0, 0, True
     for policy in policies:
         state = sum(math.prod(extra) * dtype.itemsize for extra, dtype in policy.state_spec().values())
         slot = kv_heads * (kv_bytes + POSITION_BYTES + state)
         limit = policy.budget + 1 if policy.bounded else math.inf
-        steady += final_capacity(prompt_tokens, fed, limit) * slot + POSITION_BYTES  # (+ the row's newest position)
+        capacity = final_capacity(prompt_tokens, fed, limit)
+        steady += capacity * slot + POSITION_BYTES  # (+ the row's newest position)
+        fixed &= capacity == limit
         if prompt_tokens > limit:
             transient = max(transient, prompt_tokens * slot)
-    return Reservation(steady=steady, peak=steady + transient)
+    key = repr((cache.plan.layer_policies, cache.budgets, cache.rolling)) if fixed else None
+    return Reservation(steady=steady, peak=steady + transient, batch_key=key)
 
 
 def final_capacity(prompt_tokens: int, fed: int, limit: int | float) -> int:

@@ -50,6 +50,12 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.batch_rows = Histogram(
+            "kvsieve_decode_batch_rows",
+            "Requests decoded by one forward pass",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=registry,
+        )
         self.decode_rate = Gauge(
             "kvsieve_decode_tokens_per_second", "Tokens generated per second over the last step", registry=registry
         )

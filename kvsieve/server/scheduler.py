@@ -1,12 +1,14 @@
 """The server's worker: one thread owns the model, admits requests against the KV memory cap and decodes the running
-ones together, one token each per step.
+ones together (continuous batching), one token each per step.
 
-Each request has its own :class:`~kvsieve.engine.cache.SieveCache` (batch 1), made from its own policy spec and
-budget (a ratio budget resolved against its own prompt): its tokens are exactly those of ``kvsieve.generate`` on
-its prompt alone. A step prefills the requests admitted since the last one, each alone, then feeds every running
-request its last token (one forward per request: the engine cannot join rows into a running cache, so requests
-with different prompts, policies or budgets are stepped in turn). A request leaves when it ends or its client has
-gone; its cache is dropped then.
+Each request gets its own :class:`~kvsieve.engine.cache.SieveCache`, made from its own policy spec and budget (a
+ratio budget resolved against its own prompt), and is prefilled alone: what it keeps is exactly what
+``kvsieve.generate`` keeps on its prompt alone. A step prefills the requests admitted since the last one, then
+decodes every running batch one token (one forward pass per batch, each row at its own position), then lets the new
+requests join a batch of caches made alike (same policy, parameters and budget in tokens:
+:meth:`~kvsieve.engine.cache.SieveCache.join`) or start one. Requests with different policies or budgets decode
+in different batches, one forward pass each. A request leaves at the step after it ends or its client goes: its
+rows are dropped (``batch_select_indices``).
 
 Admission: a request's bytes are known before it runs (:mod:`kvsieve.server.memory`). Requests are admitted in
 arrival order while the reservations of the running ones plus the next one's peak stay within the cap and fewer
@@ -114,6 +116,11 @@ class Job:
     def __post_init__(self) -> None:
         self.budget_tokens = self.cache.budget_tokens
 
+    @property
+    def position(self) -> int:
+        """The position of the token fed next (the last generated one)."""
+        return len(self.prompt) + len(self.generated) - 1
+
     def cancel(self) -> None:
         """The client has gone: the worker drops the request at its next step."""
         self.cancelled.set()
@@ -127,6 +134,16 @@ class Job:
             "kv_bytes": self.peak,
             "kv_bytes_reserved": self.reserved.steady,
         }
+
+
+@dataclass(eq=False)
+class Batch:
+    """Running jobs decoded together: the rows of one cache, in the jobs' order. ``key``: what a job must share to
+    join (None: no other job joins)."""
+
+    key: str | None
+    cache: SieveCache
+    jobs: list[Job]
 
 
 class Scheduler:
@@ -152,6 +169,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
+        self._batches: list[Batch] = []
+        self._held = 0
         self._reserved: dict[Job, int] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -227,7 +246,7 @@ class Scheduler:
                 "waiting": len(self._waiting),
                 "running": len(self._running),
                 "kv_bytes_reserved": sum(self._reserved.values()),
-                "kv_bytes_held": sum(job.held for job in self._running),
+                "kv_bytes_held": self._held,
                 "kv_bytes_cap": self.kv_cap_bytes,
             }
 
@@ -260,21 +279,44 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
-                admitted = self._admit()
-            started = time.perf_counter()
-            for job in admitted:
-                self._advance(job)
-                with self._cond:
-                    self._reserved[job] = job.reserved.steady  # (the prefill's transient buffer is gone)
-            tokens = len(admitted)
-            for job in self._running:
-                if job not in admitted and not job.done:
-                    self._advance(job)
-                    tokens += 1
-            seconds = time.perf_counter() - started
-            self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds
-            self.metrics.decode_rate.set(tokens / seconds if seconds > 0 else 0)
-            self._retire()
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as err:  # (a bug outside a forward pass: the running requests fail, the server goes on)
+                logger.exception("scheduler step failed")
+                for job in self._running:
+                    if not job.done:
+                        job.emit(Failed(f"the server failed: {type(err).__name__}: {err}"))
+                        self._end(job, "error")
+                self._batches = []
+                self._retire()
+
+    def _step(self) -> None:
+        """Admit, prefill the admitted jobs, decode every batch one token, place the new jobs in batches."""
+        self._retire()  # (rows of requests whose clients have gone leave before the step)
+        with self._cond:
+            admitted = self._admit()
+        started = time.perf_counter()
+        tokens = 0
+        for job in admitted:
+            self._run(job.cache, [job], torch.tensor([job.prompt], device=self.model.device), None)
+            tokens += 1
+            with self._cond:
+                self._reserved[job] = job.reserved.steady  # (the prefill's transient buffer is gone)
+        for batch in self._batches:
+            jobs = batch.jobs
+            ids = torch.tensor([[job.generated[-1]] for job in jobs], device=self.model.device)
+            positions = torch.tensor([[job.position] for job in jobs], device=self.model.device)
+            self._run(batch.cache, jobs, ids, positions)
+            self.metrics.batch_rows.observe(len(jobs))
+            tokens += len(jobs)
+        for job in admitted:
+            if not job.done:
+                self._place(job)
+        seconds = time.perf_counter() - started
+        self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds
+        self.metrics.decode_rate.set(tokens / seconds if seconds > 0 else 0)
+        self._retire()
 
     def _admit(self) -> list[Job]:
         """Move waiting jobs to running, in arrival order, while they fit (under the lock)."""
@@ -296,27 +338,45 @@ class Scheduler:
         self.metrics.kv_reserved.set(sum(self._reserved.values()))
         return admitted
 
-    def _advance(self, job: Job) -> None:
-        """Feed ``job`` its prompt (first step) or its last token, and hand out the next token."""
-        if job.cancelled.is_set():
-            self._end(job, "cancelled")
-            return
+    def _place(self, job: Job) -> None:
+        """After its prefill: ``job`` joins a running batch of caches made alike, or starts one. A request whose
+        every layer holds exactly ``budget + 1`` slots once it evicts joins others (rows padded to the batch's slots
+        never exceed that); any other (``full``, or one too short to fill its budget) runs in a batch of its own."""
+        key = job.reserved.batch_key
+        batch = next(
+            (b for b in self._batches if key is not None and b.key == key and len(b.jobs) < self.max_batch), None
+        )
+        if batch is None:
+            self._batches.append(Batch(key, job.cache, [job]))
+        else:
+            batch.cache.join(job.cache)
+            batch.jobs.append(job)
+        job.cache = None
+
+    def _run(self, cache: SieveCache, jobs: list[Job], ids: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """One forward pass of ``jobs``' rows of ``cache``: each job's prompt or last token; each gets its next."""
         try:
-            first = not job.generated
-            ids = job.prompt if first else job.generated[-1:]
-            input_ids = torch.tensor([ids], device=self.model.device)
             with torch.inference_mode():
-                out = self.model(input_ids=input_ids, past_key_values=job.cache, use_cache=True, logits_to_keep=1)
-            token = job.sampler(out.logits[0, -1].float())
-            job.generated.append(token)
-            job.held = job.cache.nbytes()
-            job.peak = max(job.peak, job.held)
-            piece, stopped = job.text.push(token)
-        except Exception as err:  # a request never takes the server down
-            logger.exception("request failed")
-            job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
-            self._end(job, "error")
-            return
+                out = self.model(
+                    input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+                )
+            logits = out.logits[:, -1].float()
+            held = cache.nbytes() // len(jobs)
+            for job, row in zip(jobs, logits, strict=True):
+                self._emit(job, job.sampler(row), held)
+        except Exception as err:  # a request never takes the server down (a failed batch fails its requests)
+            logger.exception("generation failed")
+            for job in jobs:
+                if not job.done:
+                    job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
+                    self._end(job, "error")
+
+    def _emit(self, job: Job, token: int, held: int) -> None:
+        """Hand out ``job``'s next token; end it at EOS, a stop string or ``max_tokens``."""
+        first = not job.generated
+        job.generated.append(token)
+        job.held, job.peak = held, max(job.peak, held)
+        piece, stopped = job.text.push(token)
         if first:
             self.metrics.prompt_tokens.inc(len(job.prompt))
             self.metrics.ttft.observe(time.perf_counter() - job.arrived)
@@ -335,11 +395,22 @@ class Scheduler:
         self.metrics.finished.labels(reason).inc()
 
     def _retire(self) -> None:
-        """Drop the jobs that ended (their caches with them) and record the bytes held."""
+        """Drop the rows of the jobs that ended or were cancelled (and the batches left empty); record the bytes
+        held."""
+        for job in self._running:
+            if job.cancelled.is_set() and not job.done:
+                self._end(job, "cancelled")
+        for batch in self._batches:
+            keep = [i for i, job in enumerate(batch.jobs) if not job.done]
+            if 0 < len(keep) < len(batch.jobs):
+                batch.cache.batch_select_indices(torch.tensor(keep, device=self.model.device))
+            batch.jobs = [batch.jobs[i] for i in keep]
         with self._cond:
+            self._batches = [batch for batch in self._batches if batch.jobs]
             self._running = [job for job in self._running if not job.done]
             for job in [job for job in self._reserved if job.done]:
                 del self._reserved[job]
             self.metrics.running.set(len(self._running))
             self.metrics.kv_reserved.set(sum(self._reserved.values()))
-            self.metrics.held(sum(job.held for job in self._running))
+            self._held = sum(batch.cache.nbytes() for batch in self._batches)
+            self.metrics.held(self._held)
