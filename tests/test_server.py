@@ -349,3 +349,34 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> N
         assert http.post("/v1/completions", json=good).status_code == 200
         assert http.get("/health").json()["status"] == "ok"
     assert metric(base, 'kvsieve_requests_rejected_total{reason="invalid"}') == len(cases) + 5
+
+
+def test_full_requests_admitted_together_decode_in_one_batch(serve, tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    prompts = [f"Question number {n} is about rivers" for n in (3, 4, 5)]
+    assert len({len(tokenizer(p).input_ids) for p in prompts}) == 1  # (the same prompt length: the same slots)
+    expected = [solo(tiny_lm, p, "full", None, {}, 10) for p in prompts]
+    base = serve()
+    slow = model.register_forward_pre_hook(lambda module, args: time.sleep(0.05))  # (they queue behind the first)
+    try:
+
+        async def main() -> list[str]:
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+            first = asyncio.create_task(api.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2))
+            await asyncio.sleep(0.02)
+            outs = await asyncio.gather(
+                *(
+                    api.completions.create(
+                        model=NAME, prompt=p, max_tokens=10, temperature=0, extra_body={"kv_policy": "full"}
+                    )
+                    for p in prompts
+                )
+            )
+            await first
+            return [out.choices[0].text for out in outs]
+
+        texts = asyncio.run(main())
+    finally:
+        slow.remove()
+    assert texts == expected
+    assert metric(base, 'kvsieve_decode_batch_rows_bucket{le="2.0"}') < metric(base, "kvsieve_decode_batch_rows_count")

@@ -26,12 +26,14 @@ POSITION_BYTES = torch.empty((), dtype=torch.long).element_size()
 @dataclass(frozen=True)
 class Reservation:
     """Bytes a request's cache may hold: ``steady`` (every decode step), ``peak`` (during its prefill).
-    ``batch_key``: for a cache whose every layer holds ``budget + 1`` slots once it evicts, what another cache must
-    share to decode in one batch with it (its rows then never hold more than ``steady``); None for any other."""
+    ``layout``: what another cache must share to decode in one batch with it (policy, parameters, budgets in tokens);
+    ``fixed``: every layer holds ``budget + 1`` slots once the request evicts, so its rows, padded to a batch's
+    slots, never hold more than ``steady`` (otherwise the slots grow with the tokens fed)."""
 
     steady: int
     peak: int
-    batch_key: str | None = None
+    layout: str = ""
+    fixed: bool = False
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int]:
@@ -60,8 +62,8 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
         fixed &= capacity == limit
         if prompt_tokens > limit:
             transient = max(transient, prompt_tokens * slot)
-    key = repr((cache.plan.layer_policies, cache.budgets, cache.rolling)) if fixed else None
-    return Reservation(steady=steady, peak=steady + transient, batch_key=key)
+    layout = repr((cache.plan.layer_policies, cache.budgets, cache.rolling))
+    return Reservation(steady=steady, peak=steady + transient, layout=layout, fixed=fixed)
 
 
 def final_capacity(prompt_tokens: int, fed: int, limit: int | float) -> int:

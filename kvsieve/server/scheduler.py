@@ -139,9 +139,9 @@ class Job:
 @dataclass(eq=False)
 class Batch:
     """Running jobs decoded together: the rows of one cache, in the jobs' order. ``key``: what a job must share to
-    join (None: no other job joins)."""
+    join (see :meth:`Scheduler._place`)."""
 
-    key: str | None
+    key: str
     cache: SieveCache
     jobs: list[Job]
 
@@ -171,6 +171,7 @@ class Scheduler:
         self._running: list[Job] = []
         self._batches: list[Batch] = []
         self._held = 0
+        self._steps = 0
         self._reserved: dict[Job, int] = {}
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -294,6 +295,7 @@ class Scheduler:
     def _step(self) -> None:
         """Admit, prefill the admitted jobs, decode every batch one token, place the new jobs in batches."""
         self._retire()  # (rows of requests whose clients have gone leave before the step)
+        self._steps += 1
         with self._cond:
             admitted = self._admit()
         started = time.perf_counter()
@@ -339,13 +341,16 @@ class Scheduler:
         return admitted
 
     def _place(self, job: Job) -> None:
-        """After its prefill: ``job`` joins a running batch of caches made alike, or starts one. A request whose
-        every layer holds exactly ``budget + 1`` slots once it evicts joins others (rows padded to the batch's slots
-        never exceed that); any other (``full``, or one too short to fill its budget) runs in a batch of its own."""
-        key = job.reserved.batch_key
-        batch = next(
-            (b for b in self._batches if key is not None and b.key == key and len(b.jobs) < self.max_batch), None
+        """After its prefill: ``job`` joins a running batch of caches made alike, or starts one. Its rows, padded to
+        the batch's slots, must stay within its reservation: a request whose every layer holds ``budget + 1`` slots
+        once it evicts joins any batch of its layout; any other (``full``, or too short to fill its budget: slots
+        that grow with the tokens fed) only one started in the same step with the same prompt length and
+        ``max_tokens`` (the same slots at every step)."""
+        reserved = job.reserved
+        key = (
+            reserved.layout if reserved.fixed else repr((reserved.layout, len(job.prompt), job.max_tokens, self._steps))
         )
+        batch = next((b for b in self._batches if b.key == key and len(b.jobs) < self.max_batch), None)
         if batch is None:
             self._batches.append(Batch(key, job.cache, [job]))
         else:
