@@ -53,14 +53,15 @@ def prompts(model: str, n: int, tokens: int) -> list[list[int]]:
     return [ids[i * tokens : (i + 1) * tokens] for i in range(n)]
 
 
-def start_server(model: str, cap_mib: float, max_batch: int) -> tuple[subprocess.Popen, str]:
-    """``kvsieve serve`` on a free port of 127.0.0.1; the process and its base URL once /health answers."""
+def start_server(model: str, cap_mib: float, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+    """``kvsieve serve`` on a free port of 127.0.0.1 (``threads`` OpenMP threads); the process and its base URL once
+    /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "kvsieve", "serve", "--model", model, "--device", "cpu", "--port", str(port)]
     cmd += ["--kv-memory-gb", str(cap_mib / 1024), "--max-batch", str(max_batch), "--max-queue", "256"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -149,7 +150,7 @@ def throughput(args: argparse.Namespace) -> list[dict]:
     rows = []
     waves = [(c, max(c, args.min_requests)) for c in args.concurrency]
     texts = prompts(args.model, max(n for _, n in waves), args.prompt_tokens)
-    proc, base = start_server(args.model, args.cap_mib, max(args.concurrency))
+    proc, base = start_server(args.model, args.cap_mib, max(args.concurrency), args.threads)
     try:
         rss = [rss_mib(proc.pid)]
         for policy in args.policies:
@@ -192,7 +193,7 @@ def capacity(args: argparse.Namespace) -> list[dict]:
     texts = prompts(args.model, args.requests, args.prompt_tokens)
     rows = []
     for policy in args.policies:
-        proc, base = start_server(args.model, args.cap_mib, args.requests)
+        proc, base = start_server(args.model, args.cap_mib, args.requests, args.threads)
         try:
             bodies = [kv_body(args.model, text, policy, args.max_tokens) for text in texts]
             most = {"running": 0.0, "held": 0.0, "reserved": 0.0}
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=4, help="requests per wave at least (throughput)")
     parser.add_argument("--requests", type=int, default=32, help="requests sent at once (capacity)")
     parser.add_argument("--cap-mib", type=float, default=4096, help="the server's --kv-memory-gb, in MiB")
+    parser.add_argument("--threads", type=int, default=1, help="the server's OMP_NUM_THREADS (1: best on a busy CPU)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = throughput(args) if args.part == "throughput" else capacity(args)

@@ -285,6 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
         kv_cap_bytes=int(args.kv_memory_gb * 2**30),
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        prefill_tokens=args.prefill_tokens,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return {}

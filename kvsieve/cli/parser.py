@@ -241,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-memory-gb", type=POSITIVE, default=4.0, help="KV cache memory held at most, all requests (default 4)"
     )
+    p.add_argument(
+        "--prefill-tokens",
+        type=POSITIVE_INT,
+        default=512,
+        help="prompt tokens prefilled per step at most (one prompt at least): bounds the running requests' stall",
+    )
     p.add_argument("--served-name", help="the model name clients send (default: --model)")
 
     from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES

@@ -63,11 +63,18 @@ def build_app(
     kv_cap_bytes: int,
     max_batch: int = 16,
     max_queue: int = 64,
+    prefill_tokens: int = 512,
 ) -> FastAPI:
     """The server's app: one :class:`Scheduler` owning ``model``, started and stopped with the app."""
     metrics = Metrics(kv_cap_bytes)
     scheduler = Scheduler(
-        model, tokenizer, kv_cap_bytes=kv_cap_bytes, max_batch=max_batch, max_queue=max_queue, metrics=metrics
+        model,
+        tokenizer,
+        kv_cap_bytes=kv_cap_bytes,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        metrics=metrics,
+        prefill_tokens=prefill_tokens,
     )
 
     @asynccontextmanager

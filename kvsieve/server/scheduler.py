@@ -3,7 +3,7 @@ ones together (continuous batching), one token each per step.
 
 Each request gets its own :class:`~kvsieve.engine.cache.SieveCache`, made from its own policy spec and budget (a
 ratio budget resolved against its own prompt), and is prefilled alone: what it keeps is exactly what
-``kvsieve.generate`` keeps on its prompt alone. A step prefills the requests admitted since the last one, then
+``kvsieve.generate`` keeps on its prompt alone. A step prefills admitted requests (up to ``prefill_tokens``), then
 decodes every running batch one token (one forward pass per batch, each row at its own position), then lets the new
 requests join a batch of caches made alike (same policy, parameters and budget in tokens:
 :meth:`~kvsieve.engine.cache.SieveCache.join`) or start one. Requests with different policies or budgets decode
@@ -147,7 +147,10 @@ class Batch:
 
 
 class Scheduler:
-    """Owns the model in one worker thread (see the module docstring). ``start()`` before ``submit``."""
+    """Owns the model in one worker thread (see the module docstring). ``start()`` before ``submit``.
+
+    A step prefills admitted requests up to ``prefill_tokens`` prompt tokens (at least one request), so that the
+    running requests' next token waits for at most about that much prefill."""
 
     def __init__(
         self,
@@ -158,9 +161,11 @@ class Scheduler:
         max_batch: int,
         max_queue: int,
         metrics: Metrics,
+        prefill_tokens: int = 512,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.kv_cap_bytes, self.max_batch, self.max_queue = kv_cap_bytes, max_batch, max_queue
+        self.prefill_tokens = prefill_tokens
         self.metrics = metrics
         self.tokenizer_lock = threading.Lock()  # (a fast tokenizer is not safe to use from two threads at once)
         self.eos = eos_ids(model, tokenizer)
@@ -170,6 +175,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._batches: list[Batch] = []
+        self._unprefilled: deque[Job] = deque()  # admitted, waiting for their prefill
         self._held = 0
         self._steps = 0
         self._reserved: dict[Job, int] = {}
@@ -270,6 +276,7 @@ class Scheduler:
             job.emit(Failed("the server is shutting down"))
         self._waiting.clear()
         self._running.clear()
+        self._unprefilled.clear()
 
     # -- the worker ---------------------------------------------------------------------------------------------
 
@@ -297,15 +304,25 @@ class Scheduler:
         self._retire()  # (rows of requests whose clients have gone leave before the step)
         self._steps += 1
         with self._cond:
-            admitted = self._admit()
+            self._unprefilled.extend(self._admit())
+        admitted, budget = [], self.prefill_tokens
+        while self._unprefilled and (not admitted or len(self._unprefilled[0].prompt) <= budget):
+            admitted.append(job := self._unprefilled.popleft())
+            budget -= len(job.prompt)
         started = time.perf_counter()
         tokens = 0
         for job in admitted:
+            if self._stopping:  # (stop() fails what is left)
+                return
+            if job.done:  # (cancelled while it waited for its prefill)
+                continue
             self._run(job.cache, [job], torch.tensor([job.prompt], device=self.model.device), None)
             tokens += 1
             with self._cond:
                 self._reserved[job] = job.reserved.steady  # (the prefill's transient buffer is gone)
         for batch in self._batches:
+            if self._stopping:
+                return
             jobs = batch.jobs
             ids = torch.tensor([[job.generated[-1]] for job in jobs], device=self.model.device)
             positions = torch.tensor([[job.position] for job in jobs], device=self.model.device)
