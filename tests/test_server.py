@@ -380,3 +380,28 @@ def test_full_requests_admitted_together_decode_in_one_batch(serve, tiny_lm) -> 
         slow.remove()
     assert texts == expected
     assert metric(base, 'kvsieve_decode_batch_rows_bucket{le="2.0"}') < metric(base, "kvsieve_decode_batch_rows_count")
+
+
+def test_serve_refuses_bad_arguments_before_loading_a_model(no_model, capsys) -> None:
+    from kvsieve.cli import main
+
+    assert main(["serve", "--schedule", "increasing"]) == 2
+    assert "shares budgets uniformly" in capsys.readouterr().err
+    assert main(["serve", "--policy", "nope"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    assert main(["serve", "--kv-memory-gb", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_real_model_greedy_output_equals_generate(real_model, wiki_text) -> None:
+    model, tokenizer = real_model
+    prompt = wiki_text[:1500]
+    expected = kvsieve.generate(model, tokenizer, prompt, "h2o", 0.2, 24).text
+    with running(
+        build_app(model, tokenizer, model_name=NAME, defaults=KVSpec("full", None, {}), kv_cap_bytes=2**30)
+    ) as base:
+        out = client(base).completions.create(
+            model=NAME, prompt=prompt, max_tokens=24, temperature=0, extra_body={"kv_policy": "h2o", "kv_budget": 0.2}
+        )
+    assert out.choices[0].text == expected
+    assert out.kvsieve["kv_bytes"] == out.kvsieve["kv_bytes_reserved"]
