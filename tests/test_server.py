@@ -245,7 +245,11 @@ def test_sixteen_streams_with_mixed_policies_equal_their_solo_runs_under_the_cap
             done.set()
             await watcher
 
-    texts = asyncio.run(main())
+    slow = tiny_lm[0].register_forward_pre_hook(lambda module, args: time.sleep(0.005))  # (requests overlap)
+    try:
+        texts = asyncio.run(main())
+    finally:
+        slow.remove()
     for run, text, want in zip(runs, texts, expected, strict=True):
         assert text == want, run
     assert 0 < seen["held"] <= cap and seen["reserved"] <= cap
@@ -362,8 +366,10 @@ def test_full_requests_admitted_together_decode_in_one_batch(serve, tiny_lm) -> 
 
         async def main() -> list[str]:
             api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-            first = asyncio.create_task(api.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2))
-            await asyncio.sleep(0.02)
+            first = asyncio.create_task(api.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=30))
+            async with httpx.AsyncClient(base_url=base) as http:  # (the worker is busy: the next ones queue)
+                while (await http.get("/health")).json()["running"] == 0:
+                    await asyncio.sleep(0.01)
             outs = await asyncio.gather(
                 *(
                     api.completions.create(
