@@ -360,27 +360,33 @@ def test_full_requests_admitted_together_decode_in_one_batch(serve, tiny_lm) -> 
     prompts = [f"Question number {n} is about rivers" for n in (3, 4, 5)]
     assert len({len(tokenizer(p).input_ids) for p in prompts}) == 1  # (the same prompt length: the same slots)
     expected = [solo(tiny_lm, p, "full", None, {}, 10) for p in prompts]
-    base = serve()
-    slow = model.register_forward_pre_hook(lambda module, args: time.sleep(0.05))  # (they queue behind the first)
-    try:
+    blocker = [7] * 300  # (a long full request that holds the whole cap while it runs: the others queue)
+    cap = reservation(model, kvsieve.make_cache(model, "full", None), len(blocker), 600).peak
+    base = serve(kv_cap_bytes=cap)
+    first = {"model": NAME, "prompt": blocker, "max_tokens": 600, "stream": True, "kv_policy": "full"}
 
-        async def main() -> list[str]:
-            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-            first = asyncio.create_task(api.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=30))
-            async with httpx.AsyncClient(base_url=base) as http:  # (the worker is busy: the next ones queue)
-                while (await http.get("/health")).json()["running"] == 0:
-                    await asyncio.sleep(0.01)
-            outs = await asyncio.gather(
-                *(
-                    api.completions.create(
-                        model=NAME, prompt=p, max_tokens=10, temperature=0, extra_body={"kv_policy": "full"}
+    async def main() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json=first) as stream:
+                lines = stream.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")
+                queued = [
+                    asyncio.create_task(
+                        api.completions.create(
+                            model=NAME, prompt=p, max_tokens=10, temperature=0, extra_body={"kv_policy": "full"}
+                        )
                     )
                     for p in prompts
-                )
-            )
-            await first
-            return [out.choices[0].text for out in outs]
+                ]
+                while (await http.get("/health")).json()["waiting"] < len(prompts):
+                    await asyncio.sleep(0.01)
+            # The blocker's client has gone: its rows are freed and the three queued requests start in one step.
+            outs = await asyncio.gather(*queued)
+        return [out.choices[0].text for out in outs]
 
+    slow = model.register_forward_pre_hook(lambda module, args: time.sleep(0.005))  # (the blocker outlasts the rest)
+    try:
         texts = asyncio.run(main())
     finally:
         slow.remove()

@@ -108,9 +108,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     generated: list[int] = field(default_factory=list)
-    held: int = 0
-    """Bytes its cache holds now."""
     peak: int = 0
+    """The most bytes its cache held after a step (in a batch: the batch's bytes over its rows)."""
     done: bool = False
 
     def __post_init__(self) -> None:
@@ -397,7 +396,7 @@ class Scheduler:
         """Hand out ``job``'s next token; end it at EOS, a stop string or ``max_tokens``."""
         first = not job.generated
         job.generated.append(token)
-        job.held, job.peak = held, max(job.peak, held)
+        job.peak = max(job.peak, held)
         piece, stopped = job.text.push(token)
         if first:
             self.metrics.prompt_tokens.inc(len(job.prompt))
@@ -413,7 +412,7 @@ class Scheduler:
             self._end(job, reason)
 
     def _end(self, job: Job, reason: str) -> None:
-        job.done, job.cache, job.held = True, None, 0
+        job.done, job.cache = True, None
         self.metrics.finished.labels(reason).inc()
 
     def _retire(self) -> None:
