@@ -16,7 +16,7 @@ from kvsieve.engine.schedules import schedule_weights
 from kvsieve.policies import Policy, resolve_spec
 from kvsieve.profiling import profile
 
-__all__ = ["Generation", "generate", "make_cache", "use_kvsieve_attention"]
+__all__ = ["Generation", "eos_ids", "generate", "make_cache", "use_kvsieve_attention"]
 
 
 def make_cache(
@@ -113,7 +113,7 @@ def generate(
     with torch.inference_mode():
         out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
     new = out[:, prompt_len:]
-    eos = _eos_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
+    eos = eos_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
     lengths = [_length_until_eos(row, eos) for row in new.tolist()]
     per_prompt = out.shape[0] // len(batch)  # (num_return_sequences: the sequences of each prompt in a row)
     return Generation(
@@ -127,9 +127,7 @@ def generate(
     )
 
 
-def _eos_ids(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ids: int | list[int] | None = None
-) -> set[int]:
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ids: int | list[int] | None = None) -> set[int]:
     """The EOS ids generation stops at: ``ids`` (an ``eos_token_id`` passed to generate), else the model's."""
     if ids is None and model.generation_config is not None:
         ids = model.generation_config.eos_token_id

@@ -287,6 +287,33 @@ def cmd_reproduce(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        import uvicorn
+
+        from kvsieve.server.app import build_app
+        from kvsieve.server.scheduler import KVSpec
+    except ImportError as err:
+        missing = f"kvsieve serve needs the serve extra ({err.name} is missing)"
+        raise ValueError(f"{missing}: pip install 'kvsieve[serve]'") from None
+    if args.schedule != "uniform":
+        raise ValueError("the server shares budgets uniformly; a request may carry schedule= in its kv_policy spec")
+    defaults = KVSpec(args.policy, args.budget, _policy_kwargs(args))
+    model, tokenizer = _load(args)
+    app = build_app(
+        model,
+        tokenizer,
+        model_name=args.served_name or args.model,
+        defaults=defaults,
+        kv_cap_bytes=int(args.kv_memory_gb * 2**30),
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prefill_tokens=args.prefill_tokens,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return {}
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "data": cmd_data,
     "policies": cmd_policies,
@@ -300,4 +327,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "lm-eval": cmd_lm_eval,
     "analyze": cmd_analyze,
     "reproduce": cmd_reproduce,
+    "serve": cmd_serve,
 }

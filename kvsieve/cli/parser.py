@@ -250,6 +250,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _ray_args(p)
 
+    p = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server: each request's KV memory bounded by its policy, admitted under a cap",
+        description="POST /v1/completions, /v1/chat/completions (stream: true for server-sent events), GET /v1/models, "
+        "/health, /metrics. A request may set kv_policy, kv_budget and kv_params (the openai client: extra_body); "
+        "--policy, --budget and -p are the defaults. Needs the serve extra: pip install 'kvsieve[serve]'.",
+    )
+    _common(p)
+    _policy_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=POSITIVE_INT, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch", type=POSITIVE_INT, default=16, help="requests decoding at once (default 16)")
+    p.add_argument(
+        "--max-queue", type=POSITIVE_INT, default=64, help="requests waiting for admission; past it: 429 (default 64)"
+    )
+    p.add_argument(
+        "--kv-memory-gb", type=POSITIVE, default=4.0, help="KV cache memory held at most, all requests (default 4)"
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=POSITIVE_INT,
+        default=512,
+        help="prompt tokens prefilled per step at most (one prompt at least): bounds the running requests' stall",
+    )
+    p.add_argument("--served-name", help="the model name clients send (default: --model)")
+
     from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES
 
     p = sub.add_parser("analyze", help="the papers' motivating analyses of attention on real text (summary, PNG, .md)")

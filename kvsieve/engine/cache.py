@@ -125,6 +125,23 @@ class SieveCache(Cache):
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def join(self, other: SieveCache) -> None:
+        """Append the batch rows of ``other`` to this cache's (continuous batching: a request prefilled alone joins a
+        running batch). Both must have been made alike (policy, parameters, budgets in tokens, rolling) and hold
+        tokens. Each row keeps exactly its tokens and policy state; rows that hold fewer slots are padded with empty
+        ones. Feed the joined batch each row's own ``position_ids``: ``get_seq_length()`` is the larger of the two.
+        ``batch_select_indices`` removes rows."""
+        if (
+            self.plan.layer_policies != other.plan.layer_policies
+            or self.budgets != other.budgets
+            or self.rolling != other.rolling
+            or self.stream != other.stream
+        ):
+            raise ValueError("only caches made alike (policy, parameters, budget in tokens, rolling) can be joined")
+        for layer, joining in zip(self.layers, other.layers, strict=True):
+            layer.join(joining)
+        self.memo.clear()  # (what the layers shared was for the old batch)
+
     @property
     def stream(self) -> bool:
         """Whether forward passes follow the stream protocol: one forward over a sequence gives exactly the logits of

@@ -175,6 +175,17 @@ class SieveLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices])
 
+    def join(self, other: SieveLayer) -> None:
+        """Append the rows of ``other`` (the same layer of a cache with the same plan) to this layer's: each row keeps
+        its tokens, positions and policy state (:meth:`SlotStore.concat`). ``tokens_seen`` becomes the larger one:
+        feed a joined batch its position ids (each row's own)."""
+        if not (self.is_initialized and other.is_initialized):
+            raise ValueError("only layers that hold tokens can be joined (run each prompt first)")
+        self.store = SlotStore.concat([self.store, other.store])
+        self.newest = torch.cat([self.newest, other.newest])
+        self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
+        self.recording = None
+
     def activate_past_recording(self) -> None:
         """Record the next steps, so that :meth:`crop` can roll them back (transformers calls it before assisted
         generation and prompt lookup); each step after the first is then processed one token at a time."""

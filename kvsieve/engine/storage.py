@@ -7,7 +7,7 @@ token at original position ``positions[b, h, s]`` (-1 = empty or padding). Per-s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -89,7 +89,7 @@ class SlotStore:
     def reserve(self, needed: int) -> None:
         """Grow the buffers to hold ``needed`` slots (by at least :data:`GROWTH`, never past ``limit``)."""
         if needed > self.capacity:
-            grown = int(max(needed, min(needed + max(GROWTH, needed // 4), self.limit)))
+            grown = grown_capacity(needed, self.limit)
             used = self.used
             self._map(lambda t: _resized(t, grown, used))
 
@@ -132,6 +132,31 @@ class SlotStore:
             self.compact()
         self._map(fn)
 
+    @classmethod
+    def concat(cls, stores: Sequence[SlotStore]) -> SlotStore:
+        """The rows of ``stores`` (of layers with the same slot limit and state) in one store: each row keeps its
+        slots in their order; a row that uses fewer slots than the most is padded with empty slots (position -1)."""
+        if len({store.limit for store in stores}) != 1 or len({tuple(store.state) for store in stores}) != 1:
+            raise ValueError("only stores of the same slot limit and policy state can be joined")
+        for store in stores:
+            if store.stale is not None:
+                store.compact()
+        used = max(store.used for store in stores)
+        capacity = max(store.capacity for store in stores)
+
+        def joined(pick: Callable[[SlotStore], torch.Tensor], fill: int) -> torch.Tensor:
+            return torch.cat([_padded(pick(store), capacity, store.used, fill) for store in stores])
+
+        return cls(
+            keys=joined(lambda store: store.keys, 0),
+            values=joined(lambda store: store.values, 0),
+            positions=joined(lambda store: store.positions, -1),
+            state={name: joined(lambda store, name=name: store.state[name], 0) for name in stores[0].state},
+            limit=stores[0].limit,
+            used=used,
+            may_hold_padding=any(store.may_hold_padding or store.used < used for store in stores),
+        )
+
     def copy(self) -> SlotStore:
         """A deep copy (to restore later)."""
         return replace(
@@ -154,6 +179,19 @@ class SlotStore:
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
         self.state = {name: fn(t) for name, t in self.state.items()}
+
+
+def grown_capacity(needed: int, limit: int | float) -> int:
+    """The slots a buffer grows to when ``needed`` slots do not fit: at least :data:`GROWTH` (or a quarter) more,
+    never past ``limit`` (nor below ``needed``)."""
+    return int(max(needed, min(needed + max(GROWTH, needed // 4), limit)))
+
+
+def _padded(t: torch.Tensor, capacity: int, used: int, fill: int) -> torch.Tensor:
+    """``t``'s first ``used`` slots in a buffer of ``capacity`` slots, the others ``fill``."""
+    out = t.new_full((t.shape[0], t.shape[1], capacity, *t.shape[3:]), fill)
+    out[:, :, :used] = t[:, :, :used]
+    return out
 
 
 def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:

@@ -1,0 +1,437 @@
+"""The server's worker: one thread owns the model, admits requests against the KV memory cap and decodes the running
+ones together (continuous batching), one token each per step.
+
+Each request gets its own :class:`~kvsieve.engine.cache.SieveCache`, made from its own policy spec and budget (a
+ratio budget resolved against its own prompt), and is prefilled alone: what it keeps is exactly what
+``kvsieve.generate`` keeps on its prompt alone. A step prefills admitted requests (up to ``prefill_tokens``), then
+decodes every running batch one token (one forward pass per batch, each row at its own position), then lets the new
+requests join a batch of caches made alike (same policy, parameters and budget in tokens:
+:meth:`~kvsieve.engine.cache.SieveCache.join`) or start one. Requests with different policies or budgets decode
+in different batches, one forward pass each. A request leaves at the step after it ends or its client goes: its
+rows are dropped (``batch_select_indices``).
+
+Admission: a request's bytes are known before it runs (:mod:`kvsieve.server.memory`). Requests are admitted in
+arrival order while the reservations of the running ones plus the next one's peak stay within the cap and fewer
+than ``max_batch`` run; the others wait in a bounded queue; past it, :class:`Overloaded` (HTTP 429).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.api import eos_ids, make_cache
+from kvsieve.engine.budget import Budget
+from kvsieve.engine.cache import SieveCache
+from kvsieve.policies import get_policy, resolve_spec
+from kvsieve.server.decoding import Sampler, TextStream
+from kvsieve.server.memory import Reservation, reservation
+from kvsieve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    """The queue is full: try again after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is at its KV memory cap and its queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class RequestError(ValueError):
+    """A request the server cannot run as asked; ``param``: the field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """A request's cache: policy (name or spec), budget (tokens, a ratio of the prompt, or None) and parameters."""
+
+    policy: str
+    budget: Budget | None
+    params: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of a running request."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request ended: ``reason`` is ``stop`` (EOS or a stop string) or ``length``."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    kv: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request failed while running (the server goes on)."""
+
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One request, from admission to its last token."""
+
+    prompt: list[int]
+    spec: KVSpec
+    cache: SieveCache | None
+    """Dropped when the job ends (its rows are freed then)."""
+    reserved: Reservation
+    max_tokens: int
+    sampler: Sampler
+    text: TextStream
+    emit: Callable[[Event], None]
+    """Hands an event to the request's HTTP handler (from the worker thread)."""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    generated: list[int] = field(default_factory=list)
+    peak: int = 0
+    """The most bytes its cache held after a step (in a batch: the batch's bytes over its rows)."""
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.budget_tokens = self.cache.budget_tokens
+
+    @property
+    def position(self) -> int:
+        """The position of the token fed next (the last generated one)."""
+        return len(self.prompt) + len(self.generated) - 1
+
+    def cancel(self) -> None:
+        """The client has gone: the worker drops the request at its next step."""
+        self.cancelled.set()
+
+    def kv_report(self) -> dict[str, Any]:
+        """What the response reports about the request's cache."""
+        return {
+            "policy": self.spec.policy,
+            "budget": self.spec.budget,
+            "budget_tokens": self.budget_tokens,
+            "kv_bytes": self.peak,
+            "kv_bytes_reserved": self.reserved.steady,
+        }
+
+
+@dataclass(eq=False)
+class Batch:
+    """Running jobs decoded together: the rows of one cache, in the jobs' order. ``key``: what a job must share to
+    join (see :meth:`Scheduler._place`)."""
+
+    key: str
+    cache: SieveCache
+    jobs: list[Job]
+
+
+class Scheduler:
+    """Owns the model in one worker thread (see the module docstring). ``start()`` before ``submit``.
+
+    A step prefills admitted requests up to ``prefill_tokens`` prompt tokens (at least one request), so that the
+    running requests' next token waits for at most about that much prefill."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        kv_cap_bytes: int,
+        max_batch: int,
+        max_queue: int,
+        metrics: Metrics,
+        prefill_tokens: int = 512,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_cap_bytes, self.max_batch, self.max_queue = kv_cap_bytes, max_batch, max_queue
+        self.prefill_tokens = prefill_tokens
+        self.metrics = metrics
+        self.tokenizer_lock = threading.Lock()  # (a fast tokenizer is not safe to use from two threads at once)
+        self.eos = eos_ids(model, tokenizer)
+        config = model.config.get_text_config()
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._batches: list[Batch] = []
+        self._unprefilled: deque[Job] = deque()  # admitted, waiting for their prefill
+        self._held = 0
+        self._steps = 0
+        self._reserved: dict[Job, int] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._step_seconds = 0.05  # (a running mean, for Retry-After)
+
+    # -- the HTTP side ------------------------------------------------------------------------------------------
+
+    def new_job(
+        self,
+        prompt: list[int],
+        spec: KVSpec,
+        max_tokens: int,
+        sampler: Sampler,
+        stop: list[str],
+        emit: Callable[[Event], None],
+    ) -> Job:
+        """A job for ``prompt`` with its cache made and its bytes computed; a :class:`RequestError` for an unknown
+        policy, a bad parameter or budget, or a request that exceeds the model's positions or could never fit the
+        cap."""
+        if not prompt:
+            raise RequestError("the prompt is empty", "prompt")
+        if self.max_positions is not None and len(prompt) + max_tokens > self.max_positions:
+            raise RequestError(
+                f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the model's "
+                f"{self.max_positions} positions",
+                "max_tokens",
+            )
+        try:
+            get_policy(spec.policy)
+        except ValueError as err:
+            raise RequestError(str(err), "kv_policy") from None
+        try:
+            schedule = resolve_spec(spec.policy, spec.params)[2]
+        except ValueError as err:
+            raise RequestError(str(err), "kv_params" if spec.params else "kv_policy") from None
+        if schedule == "profiled":
+            raise RequestError("the profiled layer schedule runs the model: not available in the server", "kv_policy")
+        try:
+            cache = make_cache(self.model, spec.policy, spec.budget, **spec.params)
+            cache.resolve(len(prompt))
+        except ValueError as err:
+            raise RequestError(str(err), "kv_budget") from None
+        reserved = reservation(self.model, cache, len(prompt), max_tokens)
+        if reserved.peak > self.kv_cap_bytes:
+            raise RequestError(
+                f"this request needs {reserved.peak} bytes of KV cache, more than the server's cap of "
+                f"{self.kv_cap_bytes}: lower kv_budget or max_tokens",
+                "kv_budget",
+            )
+        text = TextStream(self.tokenizer, stop, self.tokenizer_lock)
+        return Job(prompt, spec, cache, reserved, max_tokens, sampler, text, emit)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (the worker admits it when it fits); :class:`Overloaded` if the queue is full."""
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(self.retry_after())
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    def retry_after(self) -> int:
+        """Seconds until a request that is queued now may be admitted: a rough estimate, at least 1."""
+        mean_tokens = sum(j.max_tokens - len(j.generated) for j in self._running) / max(1, len(self._running))
+        return max(1, round(mean_tokens * self._step_seconds))
+
+    def snapshot(self) -> dict[str, int]:
+        """Requests waiting and running, bytes reserved and held."""
+        with self._cond:
+            return {
+                "waiting": len(self._waiting),
+                "running": len(self._running),
+                "kv_bytes_reserved": sum(self._reserved.values()),
+                "kv_bytes_held": self._held,
+                "kv_bytes_cap": self.kv_cap_bytes,
+            }
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvsieve-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the worker; requests still queued or running fail."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for job in [*self._waiting, *self._running]:
+            job.emit(Failed("the server is shutting down"))
+        self._waiting.clear()
+        self._running.clear()
+        self._unprefilled.clear()
+
+    # -- the worker ---------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as err:  # (a bug outside a forward pass: the running requests fail, the server goes on)
+                logger.exception("scheduler step failed")
+                for job in self._running:
+                    if not job.done:
+                        job.emit(Failed(f"the server failed: {type(err).__name__}: {err}"))
+                        self._end(job, "error")
+                self._batches = []
+                self._retire()
+
+    def _step(self) -> None:
+        """Admit, prefill the admitted jobs, decode every batch one token, place the new jobs in batches."""
+        self._retire()  # (rows of requests whose clients have gone leave before the step)
+        self._steps += 1
+        with self._cond:
+            self._unprefilled.extend(self._admit())
+        admitted, budget = [], self.prefill_tokens
+        while self._unprefilled and (not admitted or len(self._unprefilled[0].prompt) <= budget):
+            admitted.append(job := self._unprefilled.popleft())
+            budget -= len(job.prompt)
+        started = time.perf_counter()
+        tokens = 0
+        for job in admitted:
+            if self._stopping:  # (stop() fails what is left)
+                return
+            if job.done:  # (cancelled while it waited for its prefill)
+                continue
+            self._run(job.cache, [job], torch.tensor([job.prompt], device=self.model.device), None)
+            tokens += 1
+            with self._cond:
+                self._reserved[job] = job.reserved.steady  # (the prefill's transient buffer is gone)
+        for batch in self._batches:
+            if self._stopping:
+                return
+            jobs = batch.jobs
+            ids = torch.tensor([[job.generated[-1]] for job in jobs], device=self.model.device)
+            positions = torch.tensor([[job.position] for job in jobs], device=self.model.device)
+            self._run(batch.cache, jobs, ids, positions)
+            self.metrics.batch_rows.observe(len(jobs))
+            tokens += len(jobs)
+        for job in admitted:
+            if not job.done:
+                self._place(job)
+        seconds = time.perf_counter() - started
+        self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds
+        self.metrics.decode_rate.set(tokens / seconds if seconds > 0 else 0)
+        self._retire()
+
+    def _admit(self) -> list[Job]:
+        """Move waiting jobs to running, in arrival order, while they fit (under the lock)."""
+        admitted = []
+        for job in [job for job in self._waiting if job.cancelled.is_set()]:
+            self._waiting.remove(job)
+            self._end(job, "cancelled")
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._waiting[0]
+            if sum(self._reserved.values()) + job.reserved.peak > self.kv_cap_bytes:
+                break
+            self._waiting.popleft()
+            self._running.append(job)
+            self._reserved[job] = job.reserved.peak
+            admitted.append(job)
+            self.metrics.admitted.inc()
+        self.metrics.queue_depth.set(len(self._waiting))
+        self.metrics.running.set(len(self._running))
+        self.metrics.kv_reserved.set(sum(self._reserved.values()))
+        return admitted
+
+    def _place(self, job: Job) -> None:
+        """After its prefill: ``job`` joins a running batch of caches made alike, or starts one. Its rows, padded to
+        the batch's slots, must stay within its reservation: a request whose every layer holds ``budget + 1`` slots
+        once it evicts joins any batch of its layout; any other (``full``, or too short to fill its budget: slots
+        that grow with the tokens fed) only one started in the same step with the same prompt length and
+        ``max_tokens`` (the same slots at every step)."""
+        reserved = job.reserved
+        key = (
+            reserved.layout if reserved.fixed else repr((reserved.layout, len(job.prompt), job.max_tokens, self._steps))
+        )
+        batch = next((b for b in self._batches if b.key == key and len(b.jobs) < self.max_batch), None)
+        if batch is None:
+            self._batches.append(Batch(key, job.cache, [job]))
+        else:
+            batch.cache.join(job.cache)
+            batch.jobs.append(job)
+        job.cache = None
+
+    def _run(self, cache: SieveCache, jobs: list[Job], ids: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """One forward pass of ``jobs``' rows of ``cache``: each job's prompt or last token; each gets its next."""
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+                )
+            logits = out.logits[:, -1].float()
+            held = cache.nbytes() // len(jobs)
+            for job, row in zip(jobs, logits, strict=True):
+                self._emit(job, job.sampler(row), held)
+        except Exception as err:  # a request never takes the server down (a failed batch fails its requests)
+            logger.exception("generation failed")
+            for job in jobs:
+                if not job.done:
+                    job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
+                    self._end(job, "error")
+
+    def _emit(self, job: Job, token: int, held: int) -> None:
+        """Hand out ``job``'s next token; end it at EOS, a stop string or ``max_tokens``."""
+        first = not job.generated
+        job.generated.append(token)
+        job.peak = max(job.peak, held)
+        piece, stopped = job.text.push(token)
+        if first:
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+            self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+        self.metrics.generation_tokens.inc()
+        reason = "stop" if stopped or token in self.eos else "length" if len(job.generated) >= job.max_tokens else None
+        if reason is not None:
+            piece += job.text.flush()
+        if piece:
+            job.emit(Delta(piece))
+        if reason is not None:
+            job.emit(Finished(reason, len(job.prompt), len(job.generated), job.kv_report()))
+            self._end(job, reason)
+
+    def _end(self, job: Job, reason: str) -> None:
+        job.done, job.cache = True, None
+        self.metrics.finished.labels(reason).inc()
+
+    def _retire(self) -> None:
+        """Drop the rows of the jobs that ended or were cancelled (and the batches left empty); record the bytes
+        held."""
+        for job in self._running:
+            if job.cancelled.is_set() and not job.done:
+                self._end(job, "cancelled")
+        for batch in self._batches:
+            keep = [i for i, job in enumerate(batch.jobs) if not job.done]
+            if 0 < len(keep) < len(batch.jobs):
+                batch.cache.batch_select_indices(torch.tensor(keep, device=self.model.device))
+            batch.jobs = [batch.jobs[i] for i in keep]
+        with self._cond:
+            self._batches = [batch for batch in self._batches if batch.jobs]
+            self._running = [job for job in self._running if not job.done]
+            for job in [job for job in self._reserved if job.done]:
+                del self._reserved[job]
+            self.metrics.running.set(len(self._running))
+            self.metrics.kv_reserved.set(sum(self._reserved.values()))
+            self._held = sum(batch.cache.nbytes() for batch in self._batches)
+            self.metrics.held(self._held)
