@@ -10,8 +10,7 @@ from typing import Any, NoReturn
 
 from kvsieve.benchmarks import defaults as bench_defaults
 from kvsieve.engine.budget import parse_budget
-
-DEFAULT_MODEL = "smollm2-135m"
+from kvsieve.evaluation.defaults import DEFAULT_MODEL
 
 
 class UsageError(Exception):

@@ -48,12 +48,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, parse_budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
+from kvsieve.evaluation.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_GEN_TOKS, DEFAULT_MODEL, PROTOCOLS
 from kvsieve.policies import resolve_spec
-
-PROTOCOLS = ("stream", "prefill")
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_BATCH_SIZE = 8
-DEFAULT_MAX_GEN_TOKS = 256
 
 Pair = tuple[list[int], list[int]]
 

@@ -22,13 +22,13 @@ from typing import Any
 from rouge_score import rouge_scorer
 from transformers import PreTrainedTokenizerBase
 
+from kvsieve.evaluation.defaults import ROUGE_TYPES
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
 from kvsieve.evaluation.tasks import load_xsum
 
 INSTRUCTION = "Summarize the following article in one sentence."
 MAX_NEW_TOKENS = 64
 CUT_MARGIN = 8
-ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
 @dataclass

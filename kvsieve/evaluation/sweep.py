@@ -51,12 +51,12 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from kvsieve.engine.budget import Budget, check_budget
-from kvsieve.evaluation.lm_eval_model import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, PROTOCOLS, KVSieveLM
-from kvsieve.evaluation.summarization import ROUGE_TYPES
+from kvsieve.evaluation.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, PROTOCOLS, ROUGE_TYPES
 from kvsieve.evaluation.tasks import task_name
 from kvsieve.policies import get_policy, resolve_spec
 
 if TYPE_CHECKING:
+    from kvsieve.evaluation.lm_eval_model import KVSieveLM
     from kvsieve.evaluation.ray_sweep import RayOptions
 
 DEFAULT_POLICIES = ("full", "local", "streaming_llm", "h2o")
@@ -123,6 +123,8 @@ class Runner:
         model, tokenizer = self.loaded
         if cell.task == "ppl":
             return self._perplexity(cell)
+        from kvsieve.evaluation.lm_eval_model import KVSieveLM  # (lm-eval: imported only by cells that use it)
+
         lm = KVSieveLM(
             model=model,
             tokenizer=tokenizer,

@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsieve.engine.budget import Budget
+from kvsieve.evaluation.defaults import DEFAULT_MODEL
 from kvsieve.reproduce import PAPERS, default_out
 from kvsieve.reproduce.claims import Claim, Results, pct
 from kvsieve.reproduce.experiments import PROTOCOL_NOTES, Context, Experiment, Part
 
 if TYPE_CHECKING:
     from kvsieve.evaluation.ray_sweep import RayOptions
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
