@@ -51,7 +51,7 @@ def in_process(tiny_dir, tmp_path_factory) -> dict[tuple[str, float], dict[str, 
     return {(row["policy"], row["budget"]): row for row in result.rows}
 
 
-def _in_loopback(argv: list[str], timeout: float = TIMEOUT_S * 5) -> subprocess.CompletedProcess[str]:
+def _in_loopback(argv: list[str], timeout: float = TIMEOUT_S * 10) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in a loopback-only network namespace; whatever it started is killed at the end, also on failure."""
     tests = str(Path(__file__).parent)
     env = {
