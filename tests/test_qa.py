@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import kvsieve
 
@@ -127,3 +132,123 @@ def test_sliding_layers_keep_their_window_while_policy_layers_grow(gemma3, make_
     _feed_one_by_one(gemma3, cache, make_ids(1, 10, seed=14))
     window = gemma3.config.sliding_window - 1
     assert cache.slot_counts() == [window, 16, window, 16]
+
+
+CONTEXT = (
+    "Albert Einstein was born in Ulm, in the Kingdom of Württemberg, on 14 March 1879. His family moved to Munich, "
+    "where his father and uncle founded an electrical engineering company. He later studied in Zurich and worked at "
+    "the patent office in Bern, where he wrote the papers of his miracle year, 1905. "
+) * 3
+QUESTIONS = ["Where was Einstein born?", "When did he write his miracle year papers?", "Who founded the company?"]
+
+
+def _greedy(model, cache, ids: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens after ``ids`` fed in one pass through ``cache``, then one token per step."""
+    logits, out = _feed(model, cache, ids), []
+    for _ in range(steps):
+        out.append(int(logits[0, -1].argmax()))
+        logits = _feed(model, cache, torch.tensor([[out[-1]]]))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "streaming_llm"])
+def test_answers_are_greedy_decoding_over_the_context_compressed_before_the_question(tiny_lm, policy) -> None:
+    model, tokenizer = tiny_lm
+    qa = kvsieve.compress(model, tokenizer, CONTEXT, policy=policy, budget=24)
+    assert qa.cache.slot_counts() == [24, 24, 24]
+    cache = kvsieve.make_cache(model, policy, 24, decode_budget=None)
+    _feed(model, cache, qa.context_ids)
+    expected = _greedy(model, cache, qa.question_ids(QUESTIONS[0]), 6)
+    eos = tokenizer.eos_token_id
+    expected = expected[: expected.index(eos) + 1] if eos in expected else expected
+    assert qa.ask(QUESTIONS[0], max_new_tokens=6) == tokenizer.decode(expected, skip_special_tokens=True).strip()
+
+
+def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    qa = kvsieve.compress(model, tokenizer, CONTEXT, policy="h2o", budget=0.25)
+    before, seen = [qa.cache.positions(i).clone() for i in range(3)], qa.cache.get_seq_length()
+    answers = qa.ask(QUESTIONS, max_new_tokens=8)
+    alone = [kvsieve.compress(model, tokenizer, CONTEXT, policy="h2o", budget=0.25).ask(q, 8) for q in QUESTIONS]
+    assert answers == alone and len(answers) == 3
+    assert qa.cache.get_seq_length() == seen == qa.context_tokens
+    assert all(torch.equal(qa.cache.positions(i), held) for i, held in enumerate(before))
+    assert qa.ask(QUESTIONS[0], max_new_tokens=8) == answers[0]  # (asked again: the same)
+
+
+def test_prompt_split_follows_the_chat_template(tokenizer) -> None:
+    context_part, template = kvsieve.qa.split_prompt(tokenizer, "CONTEXT {x}")
+    whole = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "CONTEXT {x}\n\nQ?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert context_part + template.format(question="Q?") == whole
+    assert context_part.endswith("CONTEXT {x}\n\n")
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "streaming_llm"])
+def test_saved_context_answers_exactly_like_the_original(tiny_lm, tmp_path, policy) -> None:
+    model, tokenizer = tiny_lm
+    qa = kvsieve.compress(model, tokenizer, CONTEXT, policy=policy, budget=0.3, decode_budget=0.4)
+    path = qa.save(tmp_path / "ctx.safetensors")
+    loaded = kvsieve.load_context(path, model, tokenizer)
+    assert loaded.spec == qa.spec and torch.equal(loaded.context_ids, qa.context_ids)
+    assert loaded.cache.slot_counts() == qa.cache.slot_counts()
+    question = qa.question_ids(QUESTIONS[1])
+    tail = torch.tensor([[5, 17, 300, 42] * 8])  # (past the decode budget: eviction resumes alike)
+    original, restored = qa.cache_copy(), loaded.cache_copy()
+    for ids in (question, tail):
+        assert torch.equal(_feed(model, original, ids), _feed(model, restored, ids))
+    for layer in range(3):
+        assert torch.equal(original.positions(layer), restored.positions(layer))
+    assert loaded.ask(QUESTIONS, max_new_tokens=6) == qa.ask(QUESTIONS, max_new_tokens=6)
+
+
+def test_loading_into_another_model_or_format_is_refused(tiny_lm, llama_gqa, tmp_path) -> None:
+    model, tokenizer = tiny_lm
+    path = kvsieve.compress(model, tokenizer, CONTEXT, budget=16).save(tmp_path / "ctx.safetensors")
+    with pytest.raises(ValueError, match="differs in config and weights"):
+        kvsieve.load_context(path, llama_gqa, tokenizer)
+    with pytest.raises(ValueError, match="differs in dtype"):
+        kvsieve.load_context(path, copy.deepcopy(model).to(torch.float64), tokenizer)
+    tensors, header = _read(path)
+    save_file(tensors, tmp_path / "old.safetensors", metadata={"kvsieve_context": json.dumps({**header, "format": 99})})
+    with pytest.raises(ValueError, match="in format 99; this kvsieve reads format 1"):
+        kvsieve.load_context(tmp_path / "old.safetensors", model, tokenizer)
+    save_file(tensors, tmp_path / "plain.safetensors")
+    with pytest.raises(ValueError, match="not a kvsieve saved context"):
+        kvsieve.load_context(tmp_path / "plain.safetensors", model, tokenizer)
+    (tmp_path / "junk").write_text("junk")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        kvsieve.load_context(tmp_path / "junk", model, tokenizer)
+
+
+def _read(path) -> tuple[dict[str, torch.Tensor], dict]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["kvsieve_context"])  # noqa: SIM118
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"context": "  "}, "context must be a non-empty string"),
+        ({"budget": 0}, "budget must be a positive number"),
+        ({"policy": "nope"}, "nope"),
+        ({"decode_budget": 4, "budget": 8}, "must be at least the budget"),
+    ],
+)
+def test_compress_refuses_bad_arguments(tiny_lm, kwargs, message) -> None:
+    model, tokenizer = tiny_lm
+    with pytest.raises((ValueError, KeyError), match=message):
+        kvsieve.compress(model, tokenizer, **{"context": CONTEXT, **kwargs})
+
+
+def test_ask_refuses_bad_arguments(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    qa = kvsieve.compress(model, tokenizer, CONTEXT, budget=16)
+    for bad, message in [([], "non-empty"), ("", "non-empty"), ([QUESTIONS[0], " "], "non-empty")]:
+        with pytest.raises(ValueError, match=message):
+            qa.ask(bad)
+    with pytest.raises(ValueError, match="max_new_tokens must be positive"):
+        qa.ask(QUESTIONS[0], max_new_tokens=0)
+    with pytest.raises(ValueError, match="sets past_key_values itself"):
+        qa.ask(QUESTIONS[0], past_key_values=None)

@@ -152,6 +152,26 @@ class SieveCache(Cache):
             layer.join(joining)
         self.memo.clear()  # (what the layers shared was for the old batch)
 
+    def export(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """Every layer's held tokens and policy state as tensors (named ``layers.{i}.…``) and counters, to be saved
+        (:meth:`restore` takes them back into a cache made alike)."""
+        tensors, counters = {}, []
+        for i, layer in enumerate(self.layers):
+            held, counted = layer.export()
+            tensors.update({f"layers.{i}.{name}": t for name, t in held.items()})
+            counters.append(counted)
+        return tensors, counters
+
+    def restore(self, tensors: dict[str, torch.Tensor], counters: list[dict[str, Any]], prompt_len: int) -> None:
+        """Hold what :meth:`export` gave a cache made alike (a ratio budget resolved against ``prompt_len``)."""
+        if len(counters) != len(self.layers):
+            raise ValueError(f"saved state of {len(counters)} layers, this cache has {len(self.layers)}")
+        self.memo.clear()
+        for i, (layer, counted) in enumerate(zip(self.layers, counters, strict=True)):
+            prefix = f"layers.{i}."
+            held = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+            layer.restore(held, counted, prompt_len)
+
     @property
     def stream(self) -> bool:
         """Whether forward passes follow the stream protocol: one forward over a sequence gives exactly the logits of

@@ -217,6 +217,56 @@ class SieveLayer(CacheLayerMixin):
         for offset, (chunk, args) in enumerate(replay):
             self._step(chunk, args, offset=offset)
 
+    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The layer's held tokens (keys, values, positions, policy state: the slots in use only) and newest
+        positions as tensors, and its counters, for :meth:`restore` (saved contexts)."""
+        if self.store is None:
+            raise ValueError(f"layer {self.layer_idx} holds nothing yet")
+        store = self.store
+        if store.stale is not None:
+            store = store.copy()
+            store.compact()
+        n = store.used
+        tensors = {
+            "keys": store.keys[:, :, :n],
+            "values": store.values[:, :, :n],
+            "positions": store.positions[:, :, :n],
+            "newest": self.newest.clone(),  # (layers share it)
+            **{f"state.{name}": t[:, :, :n] for name, t in store.state.items()},
+        }
+        counters = {
+            "tokens_seen": self.tokens_seen,
+            "eviction_rounds": self.eviction_rounds,
+            "may_hold_padding": store.may_hold_padding,
+            "decoding": self.decoding,
+        }
+        return {name: t.contiguous() for name, t in tensors.items()}, counters
+
+    def restore(self, tensors: dict[str, torch.Tensor], counters: dict[str, Any], prompt_len: int) -> None:
+        """Hold what :meth:`export` gave (the policy resolved against a prompt of ``prompt_len`` tokens)."""
+        self.reset()
+        self.policy = self.plan.resolve(prompt_len)[self.layer_idx]
+        missing = sorted({"keys", "values", "positions", "newest"} | {f"state.{n}" for n in self.policy.state_spec()})
+        missing = [name for name in missing if name not in tensors]
+        if missing:
+            raise ValueError(f"layer {self.layer_idx} misses {', '.join(missing)} for policy {self.policy.name}")
+        keys = tensors["keys"]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.decoding = bool(counters["decoding"])
+        self.store = SlotStore(
+            keys=keys,
+            values=tensors["values"],
+            positions=tensors["positions"],
+            state={name: tensors[f"state.{name}"] for name in self.policy.state_spec()},
+            limit=self._store_limit(),
+            used=keys.shape[2],
+            may_hold_padding=bool(counters["may_hold_padding"]),
+        )
+        self.newest = tensors["newest"]
+        self.tokens_seen = int(counters["tokens_seen"])
+        self.eviction_rounds = int(counters["eviction_rounds"])
+        self.is_initialized = True
+
     # -- the step -----------------------------------------------------------------------------------------------
 
     def discard_step(self) -> None:
