@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import kvsieve
+from kvsieve.cli import main
 
 PHASE_POLICIES = ["h2o", "scissorhands", "snapkv", "streaming_llm", "knorm", "tova", "ahakv"]
 
@@ -252,3 +253,41 @@ def test_ask_refuses_bad_arguments(tiny_lm) -> None:
         qa.ask(QUESTIONS[0], max_new_tokens=0)
     with pytest.raises(ValueError, match="sets past_key_values itself"):
         qa.ask(QUESTIONS[0], past_key_values=None)
+
+
+@pytest.mark.usefixtures("no_model")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ask", "-q", "Who?"], "one of the arguments --context --load is required"),
+        (["ask", "--context", "a.txt"], "the following arguments are required: --question"),
+        (["ask", "--context", "a.txt", "--load", "b", "-q", "Who?"], "not allowed with argument"),
+        (["ask", "--context", "/no/such.txt", "-q", "Who?"], "/no/such.txt"),
+        (["ask", "--load", "/no/such.safetensors", "-q", "Who?"], "no saved context at /no/such.safetensors"),
+        (["ask", "--context", "CTX", "-q", " "], "every --question must be non-empty"),
+        (["ask", "--context", "CTX", "-q", "Who?", "--decode-budget", "lots"], "argument --decode-budget"),
+        (["ask", "--context", "CTX", "-q", "Who?", "--policy", "nope"], "unknown policy 'nope'"),
+    ],
+)
+def test_ask_command_refuses_bad_arguments_before_loading_a_model(capsys, tmp_path, argv, message) -> None:
+    (tmp_path / "ctx.txt").write_text(CONTEXT)
+    argv = [str(tmp_path / "ctx.txt") if arg == "CTX" else arg for arg in argv]
+    assert main([*argv, "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)
+    assert message in error["error"]
+
+
+@pytest.mark.slow
+def test_ask_command_on_the_real_model_saves_and_loads_the_context(capsys, tmp_path) -> None:
+    (tmp_path / "ctx.txt").write_text(CONTEXT)
+    saved = tmp_path / "ctx.safetensors"
+    asked = ["-q", QUESTIONS[0], "-q", QUESTIONS[1], "--max-new-tokens", "12", "--json", "--device", "cpu"]
+    assert main(["ask", "--context", str(tmp_path / "ctx.txt"), "--budget", "0.5", "--save", str(saved), *asked]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["budget_tokens"] == round(first["context_tokens"] / 2) == first["kv_slots_max"]
+    assert first["decode_budget_tokens"] is None and first["saved"] == str(saved)
+    assert [row["question"] for row in first["answers"]] == QUESTIONS[:2]
+    assert "Ulm" in first["answers"][0]["answer"]
+    assert main(["ask", "--load", str(saved), *asked]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["answers"] == first["answers"] and again["context_tokens"] == first["context_tokens"]
