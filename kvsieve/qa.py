@@ -201,12 +201,20 @@ def load_context(path: str | Path, model: PreTrainedModel, tokenizer: PreTrained
         raise ValueError(f"{path} is not a safetensors file: {err}") from None
     if raw is None:
         raise ValueError(f"{path} is not a kvsieve saved context (no {_HEADER_KEY} header)")
-    header = json.loads(raw)
+    try:
+        header = json.loads(raw)
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: its {_HEADER_KEY} header is not a JSON object")
     if header.get("format") != FORMAT:
         raise ValueError(
             f"{path} was saved by kvsieve {header.get('kvsieve_version')} in format {header.get('format')}; this "
             f"kvsieve reads format {FORMAT}"
         )
+    missing = sorted(_HEADER_FIELDS - header.keys())
+    if missing:
+        raise ValueError(f"{path}: its header misses {', '.join(missing)}")
     identity = model_identity(model)
     for key, what in (("dtype", "dtype"), ("config_hash", "config and weights")):
         if header[key] != identity[key]:
@@ -214,7 +222,7 @@ def load_context(path: str | Path, model: PreTrainedModel, tokenizer: PreTrained
                 f"{path} holds a context compressed by {header['model'] or 'another model'} ({header[key]}); this "
                 f"model ({identity['model'] or type(model).__name__}) differs in {what} ({identity[key]})"
             )
-    spec = {key: header[key] for key in ("policy", "params", "budget", "decode_budget", "schedule", "rolling")}
+    spec = {key: header[key] for key in _SPEC_FIELDS}
     cache = _make(model, spec)
     context_ids = tensors.pop("context_ids")
     cache.restore(tensors, header["layers"], context_ids.shape[1])
@@ -232,6 +240,10 @@ def model_identity(model: PreTrainedModel) -> dict[str, str]:
     return {"model": model.config.name_or_path, "dtype": str(model.dtype), "config_hash": digest.hexdigest()}
 
 
+_SPEC_FIELDS = ("policy", "params", "budget", "decode_budget", "schedule", "rolling")
+_HEADER_FIELDS = frozenset(
+    {*_SPEC_FIELDS, "model", "dtype", "config_hash", "question_template", "layer_budgets", "layers"}
+)
 _UNHASHED = frozenset({"transformers_version", "dtype", "torch_dtype", "name_or_path"})
 
 

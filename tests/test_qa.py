@@ -215,6 +215,10 @@ def test_loading_into_another_model_or_format_is_refused(tiny_lm, llama_gqa, tmp
     save_file(tensors, tmp_path / "old.safetensors", metadata={"kvsieve_context": json.dumps({**header, "format": 99})})
     with pytest.raises(ValueError, match="in format 99; this kvsieve reads format 1"):
         kvsieve.load_context(tmp_path / "old.safetensors", model, tokenizer)
+    del header["layers"]
+    save_file(tensors, tmp_path / "cut.safetensors", metadata={"kvsieve_context": json.dumps(header)})
+    with pytest.raises(ValueError, match="its header misses layers"):
+        kvsieve.load_context(tmp_path / "cut.safetensors", model, tokenizer)
     save_file(tensors, tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match="not a kvsieve saved context"):
         kvsieve.load_context(tmp_path / "plain.safetensors", model, tokenizer)
