@@ -10,8 +10,11 @@ own, so no token spans the boundary. A tokenizer without a chat template gets ``
 ``question + "\\n"``.
 
 **Answers** decode greedily from a copy of the compressed cache (``copy.deepcopy``): the context is never compressed
-again and no question changes it. Questions are answered one at a time: batching questions of different lengths
-would put padding between the context and the questions, and its numerics would differ from asking alone. After the
+again and no question changes it. Several questions are decoded together from rows of one copy
+(``batch_repeat_interleave``), each question part left-padded to the longest: the padding sits between the context
+and the question, where the model's positions (from the attention mask) and the cache (padding slots are never
+attended, never kept over real tokens) skip it, so each row computes what the question asked alone computes, up to
+floating-point summation order (``batch_size=1`` asks one at a time). After the
 prompt the cache grows as ``decode_budget`` says (default None: without bound, so the question and the answer are
 never evicted, as in kvpress; a bounded one evicts the question part at the end of its forward pass, then one token
 per step).
@@ -101,37 +104,60 @@ class ContextQA:
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         return ids.to(self.context_ids.device)
 
-    def ask(self, questions: str | Sequence[str], max_new_tokens: int = 64, **generate_kwargs: Any) -> str | list[str]:
-        """The answer to ``questions`` (a string), or the answers to each (a list), against the compressed context.
-        Greedy unless ``generate_kwargs`` say otherwise."""
+    def ask(
+        self,
+        questions: str | Sequence[str],
+        max_new_tokens: int = 64,
+        batch_size: int = 8,
+        **generate_kwargs: Any,
+    ) -> str | list[str]:
+        """The answer to ``questions`` (a string), or the answers to each (a list), against the compressed context,
+        ``batch_size`` questions at a time (1: one by one). Greedy unless ``generate_kwargs`` say otherwise."""
         one = isinstance(questions, str)
-        batch = [questions] if one else list(questions)
-        if not batch or any(not isinstance(q, str) or not q.strip() for q in batch):
+        asked = [questions] if one else list(questions)
+        if not asked or any(not isinstance(q, str) or not q.strip() for q in asked):
             raise ValueError("questions must be a non-empty string or a non-empty list of non-empty strings")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens!r}")
+        for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be positive, got {value!r}")
         reserved = sorted({"input_ids", "attention_mask", "past_key_values"} & generate_kwargs.keys())
         if reserved:
             raise ValueError(f"ContextQA.ask sets {', '.join(reserved)} itself")
-        answers = [self._answer(q, max_new_tokens, generate_kwargs) for q in batch]
+        answers = []
+        for start in range(0, len(asked), batch_size):
+            answers += self._answer(asked[start : start + batch_size], max_new_tokens, generate_kwargs)
         return answers[0] if one else answers
 
-    def _answer(self, question: str, max_new_tokens: int, generate_kwargs: dict[str, Any]) -> str:
-        ids = torch.cat([self.context_ids, self.question_ids(question)], dim=1)
+    def batch(self, questions: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` and ``attention_mask`` ``[len(questions), n + q]``: the context's tokens, then each question
+        part left-padded to the longest (the padding sits between context and question: the model's positions and
+        the cache's skip it)."""
+        parts = [self.question_ids(q)[0] for q in questions]
+        longest = max(len(part) for part in parts)
+        n, pad = self.context_tokens, self.tokenizer.pad_token_id or 0
+        ids = self.context_ids.new_full((len(parts), n + longest), pad)
+        mask = torch.zeros_like(ids)
+        ids[:, :n], mask[:, :n] = self.context_ids, 1
+        for row, part in enumerate(parts):
+            ids[row, n + longest - len(part) :], mask[row, n + longest - len(part) :] = part, 1
+        return ids, mask
+
+    def _answer(self, questions: list[str], max_new_tokens: int, generate_kwargs: dict[str, Any]) -> list[str]:
+        """Answers to ``questions`` decoded together from rows of one copy of the compressed cache."""
+        ids, mask = self.batch(questions)
+        cache = self.cache_copy()
+        if len(questions) > 1:
+            cache.batch_repeat_interleave(len(questions))
         kwargs = {"do_sample": False, **generate_kwargs}
         if self.tokenizer.pad_token_id is not None:
             kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                past_key_values=self.cache_copy(),
-                max_new_tokens=max_new_tokens,
-                **kwargs,
+                input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens, **kwargs
             )
-        new = out[0, ids.shape[1] :].tolist()
-        n = _length_until_eos(new, eos_ids(self.model, self.tokenizer, kwargs.get("eos_token_id")))
-        return self.tokenizer.decode(new[:n], skip_special_tokens=True).strip()
+        eos = eos_ids(self.model, self.tokenizer, kwargs.get("eos_token_id"))
+        rows = out[:, ids.shape[1] :].tolist()
+        return [self.tokenizer.decode(r[: _length_until_eos(r, eos)], skip_special_tokens=True).strip() for r in rows]
 
     def save(self, path: str | Path) -> Path:
         """Write the compressed context to ``path`` (safetensors; see the module docstring); the path."""

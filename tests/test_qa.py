@@ -165,13 +165,30 @@ def test_answers_are_greedy_decoding_over_the_context_compressed_before_the_ques
     assert qa.ask(QUESTIONS[0], max_new_tokens=6) == tokenizer.decode(expected, skip_special_tokens=True).strip()
 
 
-def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny_lm) -> None:
+@pytest.mark.parametrize(
+    ("policy", "decode_budget"), [("h2o", None), ("h2o", 0.3), ("scissorhands", 0.3), ("streaming_llm", 0.27)]
+)
+def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny_lm, policy, decode_budget) -> None:
+    """Batched questions (padding between context and question) answer as each asked alone, with the question part
+    kept whole or evicted (a bounded decode budget)."""
     model, tokenizer = tiny_lm
-    qa = kvsieve.compress(model, tokenizer, CONTEXT, policy="h2o", budget=0.25)
+    kwargs = {"policy": policy, "budget": 0.25, "decode_budget": decode_budget}
+    qa = kvsieve.compress(model, tokenizer, CONTEXT, **kwargs)
     before, seen = [qa.cache.positions(i).clone() for i in range(3)], qa.cache.get_seq_length()
     answers = qa.ask(QUESTIONS, max_new_tokens=8)
-    alone = [kvsieve.compress(model, tokenizer, CONTEXT, policy="h2o", budget=0.25).ask(q, 8) for q in QUESTIONS]
-    assert answers == alone and len(answers) == 3
+    alone = [kvsieve.compress(model, tokenizer, CONTEXT, **kwargs).ask(q, 8, batch_size=1) for q in QUESTIONS]
+    assert answers == alone and len(answers) == 3 and qa.ask(QUESTIONS, 8, batch_size=2) == alone
+    ids, mask = qa.batch(QUESTIONS)
+    assert (mask.sum(1) - qa.context_tokens).tolist() == [qa.question_ids(q).shape[1] for q in QUESTIONS]
+    batched = qa.cache_copy()
+    batched.batch_repeat_interleave(3)
+    n = qa.context_tokens
+    positions = (mask.cumsum(-1) - 1)[:, n:]  # (what generate derives from the mask)
+    with torch.no_grad():
+        logits = model(ids[:, n:], attention_mask=mask, position_ids=positions, past_key_values=batched).logits[:, -1]
+    for row, question in enumerate(QUESTIONS):
+        alone_logits = _feed(model, qa.cache_copy(), qa.question_ids(question))[0, -1]
+        torch.testing.assert_close(logits[row], alone_logits, rtol=1e-4, atol=1e-4)  # (summation order)
     assert qa.cache.get_seq_length() == seen == qa.context_tokens
     assert all(torch.equal(qa.cache.positions(i), held) for i, held in enumerate(before))
     assert qa.ask(QUESTIONS[0], max_new_tokens=8) == answers[0]  # (asked again: the same)
@@ -253,6 +270,8 @@ def test_ask_refuses_bad_arguments(tiny_lm) -> None:
     for bad, message in [([], "non-empty"), ("", "non-empty"), ([QUESTIONS[0], " "], "non-empty")]:
         with pytest.raises(ValueError, match=message):
             qa.ask(bad)
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        qa.ask(QUESTIONS, batch_size=0)
     with pytest.raises(ValueError, match="max_new_tokens must be positive"):
         qa.ask(QUESTIONS[0], max_new_tokens=0)
     with pytest.raises(ValueError, match="sets past_key_values itself"):
@@ -271,6 +290,7 @@ def test_ask_refuses_bad_arguments(tiny_lm) -> None:
         (["ask", "--context", "CTX", "-q", " "], "every --question must be non-empty"),
         (["ask", "--context", "CTX", "-q", "Who?", "--decode-budget", "lots"], "argument --decode-budget"),
         (["ask", "--context", "CTX", "-q", "Who?", "--policy", "nope"], "unknown policy 'nope'"),
+        (["ask", "--context", "CTX", "-q", "Who?", "--batch-size", "0"], "argument --batch-size"),
     ],
 )
 def test_ask_command_refuses_bad_arguments_before_loading_a_model(capsys, tmp_path, argv, message) -> None:

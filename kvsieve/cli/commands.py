@@ -108,7 +108,7 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
             **policy_kwargs,
         )
     saved = str(qa.save(args.save)) if args.save else None
-    answers = qa.ask(args.question, max_new_tokens=args.max_new_tokens)
+    answers = qa.ask(args.question, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     return {
         "policy": qa.spec["policy"],
         "budget_tokens": qa.cache.budget_tokens,

@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how far a question's copy of the cache may grow: tokens, ratio, none (default: unbounded) or budget",
     )
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8, help="questions decoded together (default 8)")
     p.add_argument("--save", metavar="PATH", help="save the compressed context (safetensors) for --load")
 
     p = sub.add_parser("needle", help="passkey retrieval in a real Wikipedia haystack: accuracy grid (length × depth)")
