@@ -14,10 +14,9 @@ again and no question changes it. Several questions are decoded together from ro
 (``batch_repeat_interleave``), each question part left-padded to the longest: the padding sits between the context
 and the question, where the model's positions (from the attention mask) and the cache (padding slots are never
 attended, never kept over real tokens) skip it, so each row computes what the question asked alone computes, up to
-floating-point summation order (``batch_size=1`` asks one at a time). After the
-prompt the cache grows as ``decode_budget`` says (default None: without bound, so the question and the answer are
-never evicted, as in kvpress; a bounded one evicts the question part at the end of its forward pass, then one token
-per step).
+floating-point summation order (``batch_size=1`` asks one at a time). After the prompt the cache grows as
+``decode_budget`` says (default None: without bound, so the question and the answer are never evicted, as in kvpress;
+a bounded one evicts from the question part's tokens at the end of its forward pass, then one token per step).
 
 **Saved contexts** are one safetensors file: every layer's held keys, values, positions, newest positions and policy
 state, the context's tokens, and a JSON header in the file's metadata (format, kvsieve version, model name and a hash

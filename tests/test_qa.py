@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 import kvsieve
 from kvsieve.cli import main
+from kvsieve.qa import split_prompt
 
 PHASE_POLICIES = ["h2o", "scissorhands", "snapkv", "streaming_llm", "knorm", "tova", "ahakv"]
 
@@ -195,7 +196,7 @@ def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny
 
 
 def test_prompt_split_follows_the_chat_template(tokenizer) -> None:
-    context_part, template = kvsieve.qa.split_prompt(tokenizer, "CONTEXT {x}")
+    context_part, template = split_prompt(tokenizer, "CONTEXT {x}")
     whole = tokenizer.apply_chat_template(
         [{"role": "user", "content": "CONTEXT {x}\n\nQ?"}], tokenize=False, add_generation_prompt=True
     )
