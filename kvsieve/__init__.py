@@ -15,11 +15,14 @@ from typing import Any
 
 _PUBLIC: dict[str, str] = {
     "ATTN_IMPLEMENTATION": "kvsieve.engine.attention",
+    "ContextQA": "kvsieve.qa",
     "Generation": "kvsieve.api",
     "POLICIES": "kvsieve.policies:REGISTRY",
     "SieveCache": "kvsieve.engine.cache",
     "UnsupportedModelError": "kvsieve.engine.attention",
+    "compress": "kvsieve.qa",
     "generate": "kvsieve.api",
+    "load_context": "kvsieve.qa",
     "load_model": "kvsieve.models",
     "make_cache": "kvsieve.api",
     "register": "kvsieve.engine.attention",

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.engine.attention import use_kvsieve_attention
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache, layer_types
+from kvsieve.engine.plan import SAME, DecodeBudget
 from kvsieve.engine.schedules import schedule_weights
 from kvsieve.policies import Policy, resolve_spec
 from kvsieve.profiling import profile
@@ -27,6 +28,7 @@ def make_cache(
     rolling: bool = False,
     stream: bool = False,
     schedule: str | Sequence[float] = "uniform",
+    decode_budget: DecodeBudget = SAME,
     **policy_kwargs: Any,
 ) -> SieveCache:
     """An evicting cache for ``model``: use it as ``past_key_values`` in ``generate`` or a forward loop.
@@ -40,8 +42,11 @@ def make_cache(
     sequence giving exactly the logits of feeding it token by token (``with cache.streaming():`` for a few passes
     only; see :mod:`kvsieve.engine.stream`). ``schedule`` shares the budget among the policy layers, same total
     (``uniform``, ``increasing``, ``pyramid``, ``profiled`` or explicit per-layer weights; see
-    :mod:`kvsieve.engine.schedules`). Switches the model to kvsieve's attention implementation (see
-    :func:`use_kvsieve_attention`).
+    :mod:`kvsieve.engine.schedules`). ``decode_budget``: budgets by phase: the prompt (the first forward pass, or
+    its first tokens: ``cache.set_prompt_length``) is compressed to ``budget``, then the cache may grow up to
+    ``decode_budget`` tokens per layer (tokens or a ratio of the prompt, at least ``budget``; ``None``: unbounded
+    growth, i.e. prefill-only compression; default ``"budget"``: the cache never grows). Switches the model to
+    kvsieve's attention implementation (see :func:`use_kvsieve_attention`).
     """
     cls, kwargs, schedule = resolve_spec(policy, policy_kwargs, schedule)
     params = cls.Params(**kwargs)
@@ -49,7 +54,9 @@ def make_cache(
     if cls.takes_budget():
         n_layers = layer_types(model).count("full_attention")
         weights = schedule_weights(schedule, n_layers, lambda: profile(model))
-    cache = SieveCache.for_model(model, cls, params, budget, weights, rolling=rolling, stream=stream)
+    cache = SieveCache.for_model(
+        model, cls, params, budget, weights, rolling=rolling, stream=stream, decode_budget=decode_budget
+    )
     use_kvsieve_attention(model)
     return cache
 

@@ -190,12 +190,14 @@ def test_stream_curve_plot(tmp_path):
 )
 def test_chunk_plans(policy, q, prompt, options, bounds, closed_form) -> None:
     cls = REGISTRY[policy]
+    instance = cls(16 if cls.takes_budget() else None)
     planned = plan_chunks(
         q,
         prompt,
         stream=options.get("stream", False),
         decode=options.get("decode", False),
-        policy=cls(16 if cls.takes_budget() else None),
+        policy=instance,
+        limit=instance.budget if instance.bounded else None,
         held=options.get("held", 0),
         rolling=options.get("rolling", False),
     )

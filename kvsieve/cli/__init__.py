@@ -39,6 +39,15 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
             f"KV {result['kv_bytes'] / 2**20:.2f} MiB]",
             file=sys.stderr,
         )
+    elif command == "ask":
+        for row in result["answers"]:
+            print(f"Q: {row['question']}\nA: {row['answer']}\n")
+        saved = f", saved to {result['saved']}" if result["saved"] else ""
+        print(
+            f"[{result['policy']}: context {result['context_tokens']} tokens compressed to {result['budget_tokens']}, "
+            f"max slots {result['kv_slots_max']}, KV {result['kv_bytes'] / 2**20:.2f} MiB{saved}]",
+            file=sys.stderr,
+        )
     elif command == "needle":
         print(f"passkey retrieval, {result['policy']} at budget {result['budget']} (exact match)")
         for cell in result["cells"]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -78,6 +79,45 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         "kv_slots_max": max(out.cache.slot_counts()),
         "kv_bytes": out.cache.kv_nbytes(),
         "state_bytes": out.cache.state_nbytes(),
+    }
+
+
+def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.data import read_text
+    from kvsieve.qa import compress, load_context
+
+    if any(not q.strip() for q in args.question):
+        raise ValueError("every --question must be non-empty")
+    if args.load:
+        if not Path(args.load).is_file():
+            raise FileNotFoundError(f"no saved context at {args.load}")
+        model, tokenizer = _load(args)
+        qa = load_context(args.load, model, tokenizer)
+    else:
+        policy_kwargs = _policy_kwargs(args)
+        context = read_text(args.context)
+        model, tokenizer = _load(args)
+        qa = compress(
+            model,
+            tokenizer,
+            context,
+            policy=args.policy,
+            budget=args.budget,
+            decode_budget=args.decode_budget,
+            schedule=args.schedule,
+            **policy_kwargs,
+        )
+    saved = str(qa.save(args.save)) if args.save else None
+    answers = qa.ask(args.question, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    return {
+        "policy": qa.spec["policy"],
+        "budget_tokens": qa.cache.budget_tokens,
+        "decode_budget_tokens": qa.cache.decode_budget_tokens,
+        "context_tokens": qa.context_tokens,
+        "kv_slots_max": max(qa.cache.slot_counts()),
+        "kv_bytes": qa.cache.kv_nbytes(),
+        "saved": saved,
+        "answers": [{"question": q, "answer": a} for q, a in zip(args.question, answers, strict=True)],
     }
 
 
@@ -318,6 +358,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "data": cmd_data,
     "policies": cmd_policies,
     "generate": cmd_generate,
+    "ask": cmd_ask,
     "ppl": cmd_ppl,
     "compare": cmd_compare,
     "needle": cmd_needle,

@@ -66,6 +66,13 @@ def _budget(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _decode_budget(text: str) -> int | float | str | None:
+    """``none`` → None (unbounded growth), ``budget`` → the prompt's budget, else tokens or a ratio."""
+    if text.strip().lower() in ("none", "budget"):
+        return None if text.strip().lower() == "none" else "budget"
+    return _budget(text)
+
+
 def _common(parser: argparse.ArgumentParser, *, model: bool = True) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     if model:
@@ -138,6 +145,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt")
     p.add_argument("--prompt-file", help="read the prompt from a file")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
+
+    p = sub.add_parser("ask", help="compress a context once, then answer questions against it (or a saved one)")
+    _common(p)
+    _policy_args(p)
+    context = p.add_mutually_exclusive_group(required=True)
+    context.add_argument("--context", metavar="FILE", help="a text file: the context, compressed before the questions")
+    context.add_argument("--load", metavar="PATH", help="a context saved by --save (its policy and budgets are used)")
+    p.add_argument("--question", "-q", action="append", required=True, help="a question, repeatable")
+    p.add_argument(
+        "--decode-budget",
+        type=_decode_budget,
+        default=None,
+        help="how far a question's copy of the cache may grow: tokens, ratio, none (default: unbounded) or budget",
+    )
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
+    p.add_argument("--batch-size", type=POSITIVE_INT, default=8, help="questions decoded together (default 8)")
+    p.add_argument("--save", metavar="PATH", help="save the compressed context (safetensors) for --load")
 
     p = sub.add_parser("needle", help="passkey retrieval in a real Wikipedia haystack: accuracy grid (length × depth)")
     _common(p)

@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache
 from kvsieve.engine.attention import UnsupportedModelError
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.layer import SieveLayer
-from kvsieve.engine.plan import PolicyPlan, StepMemo
+from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo
 from kvsieve.engine.rope import Rotary
 from kvsieve.policies import NoParams, Policy
 from kvsieve.policies.local import Local
@@ -71,6 +71,7 @@ class SieveCache(Cache):
         *,
         rolling: bool = False,
         stream: bool = False,
+        decode_budget: DecodeBudget = SAME,
     ) -> SieveCache:
         """A cache for ``model``'s layers: the policy (with a budget, and ``weights`` for a layer schedule) on the
         full-attention layers, a window on the sliding ones (see :func:`kvsieve.make_cache`)."""
@@ -83,7 +84,7 @@ class SieveCache(Cache):
             )
         layers = [(policy, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
         takes_budget = policy.takes_budget()
-        plan = PolicyPlan(layers, budget if takes_budget else None, weights if takes_budget else None)
+        plan = PolicyPlan(layers, budget if takes_budget else None, weights if takes_budget else None, decode_budget)
         cache = cls(plan, [t == "sliding_attention" for t in types], stream=stream)
         if rolling:
             cache.enable_rolling(Rotary.from_config(config))
@@ -99,6 +100,14 @@ class SieveCache(Cache):
         validated); the budget in tokens. The first forward pass does it otherwise."""
         self.plan.resolve(prompt_len)
         return self.budget_tokens
+
+    @property
+    def decode_budget_tokens(self) -> int | None:
+        """The most tokens a policy layer holds after the prompt under a uniform schedule (the resolved decode budget;
+        None: unbounded, or not resolved yet)."""
+        if self.budget_tokens is None or self.plan.growth is None:
+            return None
+        return self.budget_tokens + self.plan.growth
 
     @property
     def budgets(self) -> list[int | None]:
@@ -134,6 +143,7 @@ class SieveCache(Cache):
         if (
             self.plan.layer_policies != other.plan.layer_policies
             or self.budgets != other.budgets
+            or self.plan.growth != other.plan.growth
             or self.rolling != other.rolling
             or self.stream != other.stream
         ):
@@ -141,6 +151,26 @@ class SieveCache(Cache):
         for layer, joining in zip(self.layers, other.layers, strict=True):
             layer.join(joining)
         self.memo.clear()  # (what the layers shared was for the old batch)
+
+    def export(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """Every layer's held tokens and policy state as tensors (named ``layers.{i}.…``) and counters, to be saved
+        (:meth:`restore` takes them back into a cache made alike)."""
+        tensors, counters = {}, []
+        for i, layer in enumerate(self.layers):
+            held, counted = layer.export()
+            tensors.update({f"layers.{i}.{name}": t for name, t in held.items()})
+            counters.append(counted)
+        return tensors, counters
+
+    def restore(self, tensors: dict[str, torch.Tensor], counters: list[dict[str, Any]], prompt_len: int) -> None:
+        """Hold what :meth:`export` gave a cache made alike (a ratio budget resolved against ``prompt_len``)."""
+        if len(counters) != len(self.layers):
+            raise ValueError(f"saved state of {len(counters)} layers, this cache has {len(self.layers)}")
+        self.memo.clear()
+        for i, (layer, counted) in enumerate(zip(self.layers, counters, strict=True)):
+            prefix = f"layers.{i}."
+            held = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+            layer.restore(held, counted, prompt_len)
 
     @property
     def stream(self) -> bool:

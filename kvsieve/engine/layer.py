@@ -89,6 +89,7 @@ class SieveLayer(CacheLayerMixin):
         self.prompt_tokens: int | None = None  # the first step's prompt length, if given (set_prompt_length)
         self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
         self.recording: Recording | None = None
+        self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -114,8 +115,7 @@ class SieveLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        limit = self.policy.budget + 1 if self.policy.bounded else float("inf")
-        self.store = SlotStore.empty(key_states, value_states, self.policy.state_spec(), limit)
+        self.store = SlotStore.empty(key_states, value_states, self.policy.state_spec(), self._store_limit())
         self.newest = torch.full((key_states.shape[0],), -1, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -164,6 +164,7 @@ class SieveLayer(CacheLayerMixin):
         self.store = self.newest = self.policy = self.pending = None
         self.prompt_tokens = self.recording = None
         self.tokens_seen = 0
+        self.decoding = False
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -216,6 +217,56 @@ class SieveLayer(CacheLayerMixin):
         for offset, (chunk, args) in enumerate(replay):
             self._step(chunk, args, offset=offset)
 
+    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The layer's held tokens (keys, values, positions, policy state: the slots in use only) and newest
+        positions as tensors, and its counters, for :meth:`restore` (saved contexts)."""
+        if self.store is None:
+            raise ValueError(f"layer {self.layer_idx} holds nothing yet")
+        store = self.store
+        if store.stale is not None:
+            store = store.copy()
+            store.compact()
+        n = store.used
+        tensors = {
+            "keys": store.keys[:, :, :n],
+            "values": store.values[:, :, :n],
+            "positions": store.positions[:, :, :n],
+            "newest": self.newest.clone(),  # (layers share it)
+            **{f"state.{name}": t[:, :, :n] for name, t in store.state.items()},
+        }
+        counters = {
+            "tokens_seen": self.tokens_seen,
+            "eviction_rounds": self.eviction_rounds,
+            "may_hold_padding": store.may_hold_padding,
+            "decoding": self.decoding,
+        }
+        return {name: t.contiguous() for name, t in tensors.items()}, counters
+
+    def restore(self, tensors: dict[str, torch.Tensor], counters: dict[str, Any], prompt_len: int) -> None:
+        """Hold what :meth:`export` gave (the policy resolved against a prompt of ``prompt_len`` tokens)."""
+        self.reset()
+        self.policy = self.plan.resolve(prompt_len)[self.layer_idx]
+        missing = sorted({"keys", "values", "positions", "newest"} | {f"state.{n}" for n in self.policy.state_spec()})
+        missing = [name for name in missing if name not in tensors]
+        if missing:
+            raise ValueError(f"layer {self.layer_idx} misses {', '.join(missing)} for policy {self.policy.name}")
+        keys = tensors["keys"]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.decoding = bool(counters["decoding"])
+        self.store = SlotStore(
+            keys=keys,
+            values=tensors["values"],
+            positions=tensors["positions"],
+            state={name: tensors[f"state.{name}"] for name in self.policy.state_spec()},
+            limit=self._store_limit(),
+            used=keys.shape[2],
+            may_hold_padding=bool(counters["may_hold_padding"]),
+        )
+        self.newest = tensors["newest"]
+        self.tokens_seen = int(counters["tokens_seen"])
+        self.eviction_rounds = int(counters["eviction_rounds"])
+        self.is_initialized = True
+
     # -- the step -----------------------------------------------------------------------------------------------
 
     def discard_step(self) -> None:
@@ -244,12 +295,14 @@ class SieveLayer(CacheLayerMixin):
         # The step's first tokens that are a prompt: all of a first step, unless set_prompt_length said fewer.
         prompt = (q if self.prompt_tokens is None else min(self.prompt_tokens, q)) if self.tokens_seen == q else 0
         self.prompt_tokens = None
+        self._enter_phase(decoding=prompt == 0)
         chunks = plan_chunks(
             q,
             prompt,
             stream=self.streaming,
             decode=self.record_past,
             policy=self.policy,
+            limit=self.limit,
             held=self.store.used,
             rolling=self.rotary is not None,
         )
@@ -261,6 +314,8 @@ class SieveLayer(CacheLayerMixin):
         outputs, pairs, i = [], list(pairwise(chunks.bounds)), 0
         while i < len(pairs):
             start, end = pairs[i]
+            if start >= prompt:
+                self._enter_phase(decoding=True)
             run = self._run(pairs, i, step, args)
             if run > 1:  # single tokens, scanned together
                 end = pairs[i + run - 1][1]
@@ -274,6 +329,7 @@ class SieveLayer(CacheLayerMixin):
                 self.recording.tokens.append((chunk, args))
             outputs.append(self._step(chunk, args, chunks.closed_form, start, columns))
             i += 1
+        self._enter_phase(decoding=True)  # (the prompt is done)
         outs, weights = zip(*outputs, strict=True)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if not args.weights:
@@ -324,12 +380,10 @@ class SieveLayer(CacheLayerMixin):
             causal_tail=not policy.observes_all_slots,  # (the chunk's tokens are the last q slots, in order)
         )
         weights = None
-        if policy.needs_attention or args.explicit:
-            observe = (
-                (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs))
-                if policy.needs_attention
-                else None
-            )
+        # Once a layer may grow without bound, nothing is ever evicted again: its statistics would never be used.
+        observes = policy.needs_attention and not policy.narrows and self.limit is not None
+        if observes or policy.narrows or args.explicit:
+            observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
             narrow = policy.narrow if policy.narrows else None
             out, weights = observed_attention(
                 query, keys, slots.values, slots.pos, query_pos, args, seen, observe, narrow
@@ -368,9 +422,9 @@ class SieveLayer(CacheLayerMixin):
         """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
         self.eviction_rounds += 1
         store, policy = self.store, self.policy
-        target, rows = policy.n_keep(store.used), None
+        target, rows = self.n_keep(store.used), None
         if policy.counts_rows and store.may_hold_padding:  # each row's target from its own count of tokens
-            rows = [policy.n_keep(count) for count in (slots.pos[:, 0] >= 0).sum(dim=-1).tolist()]
+            rows = [self.n_keep(count) for count in (slots.pos[:, 0] >= 0).sum(dim=-1).tolist()]
             target = max(rows)
         if target >= store.used:
             return
@@ -386,6 +440,28 @@ class SieveLayer(CacheLayerMixin):
             else:
                 store.keep(chosen)
         store.settle()
+
+    @property
+    def limit(self) -> int | None:
+        """The most tokens the layer holds after a step now (the prompt's budget, or the decode budget's limit after
+        the prompt; None: no bound)."""
+        return self.plan.limit(self.layer_idx, self.decoding)
+
+    def n_keep(self, n: int) -> int:
+        """The policy's ``n_keep`` under the current :attr:`limit`."""
+        limit = self.limit
+        return n if limit is None else self.policy.n_keep(n, limit)
+
+    def _store_limit(self) -> int | float:
+        """Slots the store may allocate: the limit and a spare one for the next decode token."""
+        limit = self.limit
+        return float("inf") if limit is None else limit + 1
+
+    def _enter_phase(self, decoding: bool) -> None:
+        """Past the prompt (``decoding``) or not: the slot limit follows (:meth:`PolicyPlan.limit`)."""
+        if decoding != self.decoding:
+            self.decoding = decoding
+            self.store.limit = self._store_limit()
 
     def _scores(self, slots: Slots) -> torch.Tensor:
         """The policy's priorities, padding and empty slots lowest."""

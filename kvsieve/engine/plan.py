@@ -10,7 +10,7 @@ same positions at every step, so they evict the same slots: the first of them de
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -19,22 +19,39 @@ from kvsieve.engine.schedules import split_budget
 from kvsieve.policies import Policy
 
 T = TypeVar("T")
+SAME = "budget"
+"""``decode_budget``'s default: decoding keeps the prompt's budget (the cache never grows)."""
+DecodeBudget = Budget | None | Literal["budget"]
 
 
 class PolicyPlan:
     """``layer_policies[i]``: the policy class of layer ``i``, its params and, for layers with a fixed size of their
     own (sliding-window layers), the budget they always use. The other layers (the policy layers) all get
     ``budget``, or, with ``weights`` (one per policy layer: a layer budget schedule), share the same total as
-    :func:`~kvsieve.engine.schedules.split_budget` divides it."""
+    :func:`~kvsieve.engine.schedules.split_budget` divides it.
+
+    Budgets by phase: the prompt (a cache's first forward pass, or its first tokens, see
+    :meth:`~kvsieve.engine.cache.SieveCache.set_prompt_length`) is compressed to ``budget``; afterwards each policy
+    layer may grow by ``decode_budget - budget`` tokens (the same for every layer under a schedule; None: without
+    bound; ``"budget"``: not at all). Sliding-window layers keep their window. A ratio resolves against the prompt
+    like ``budget``."""
 
     def __init__(
         self,
         layer_policies: Sequence[tuple[type[Policy], Any, int | None]],
         budget: Budget | None,
         weights: Sequence[float] | None = None,
+        decode_budget: DecodeBudget = SAME,
     ) -> None:
         self.layer_policies = list(layer_policies)
         self.budget = None if budget is None else check_budget(budget)
+        if decode_budget is not None and decode_budget != SAME:
+            if isinstance(decode_budget, str):
+                raise ValueError(f"decode_budget must be tokens, a ratio, None or 'budget', got {decode_budget!r}")
+            check_budget(decode_budget)
+        self.decode_budget = decode_budget
+        self.growth: int | None = 0
+        """Tokens each policy layer may grow by after the prompt (None: without bound), once resolved."""
         self.n_shared = sum(fixed is None for *_, fixed in self.layer_policies)
         if weights is not None and len(weights) != self.n_shared:
             raise ValueError(f"a layer schedule needs a weight per policy layer ({self.n_shared}), not {len(weights)}")
@@ -43,8 +60,13 @@ class PolicyPlan:
         self.groups: list[Hashable | None] = []
         """Per layer: the key of its positional group (layers deciding alike), None when it decides alone."""
         self._policies: list[Policy] | None = None
-        if self.budget is None or isinstance(self.budget, int):
+        if not self._ratio:
             self.resolve(0)
+
+    @property
+    def _ratio(self) -> bool:
+        """Whether a budget is a ratio of the prompt (resolved at the first prompt)."""
+        return isinstance(self.budget, float) or isinstance(self.decode_budget, float)
 
     def resolve(self, prompt_len: int) -> list[Policy]:
         """The policies of all layers (built on first call; every layer is validated before any is used)."""
@@ -67,7 +89,32 @@ class PolicyPlan:
                 for (cls, params, _), policy in zip(self.layer_policies, policies, strict=True)
             ]
             self.budget_tokens = tokens
+            self.growth = self._growth(tokens, prompt_len)
         return self._policies
+
+    def _growth(self, tokens: int | None, prompt_len: int) -> int | None:
+        """Tokens each policy layer may grow by after the prompt, ``decode_budget`` resolved (see the class)."""
+        if tokens is None or self.decode_budget == SAME:
+            return 0
+        if self.decode_budget is None:
+            return None
+        decode = resolve_budget(self.decode_budget, prompt_len)
+        if decode < tokens:
+            raise ValueError(
+                f"decode_budget ({decode} tokens) must be at least the budget ({tokens} tokens), or None for "
+                "unbounded growth"
+            )
+        return decode - tokens
+
+    def limit(self, layer_idx: int, decoding: bool) -> int | None:
+        """The most tokens layer ``layer_idx`` holds after a step of the prompt (``decoding`` False) or of decoding
+        (None: no bound). Its policy must be resolved."""
+        policy = self._policies[layer_idx]
+        if not policy.bounded:
+            return None
+        if not decoding or self.layer_policies[layer_idx][2] is not None:
+            return policy.budget
+        return None if self.growth is None else policy.budget + self.growth
 
     @property
     def policies(self) -> list[Policy] | None:
@@ -76,7 +123,7 @@ class PolicyPlan:
 
     def reset(self) -> None:
         """Forget a ratio budget's resolution (the next prompt resolves it again)."""
-        if isinstance(self.budget, float):
+        if self._ratio:
             self._policies = None
             self.budget_tokens = None
 

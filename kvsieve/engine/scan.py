@@ -51,7 +51,7 @@ def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
         and layer.rotary is None
         and args.window is None
         and not args.explicit
-        and layer.policy.bounded
+        and layer.limit is not None
         and not layer.policy.narrows
     )
 
@@ -136,7 +136,7 @@ def _decide(
         if step_logit is not None:
             masked = torch.where(wide_gone, float("-inf"), step_logit)
             policy.observe(slots, Observation(masked.softmax(dim=-1).sum(dim=2), masked, step_pos, 1, key_pos=pos))
-        target = policy.n_keep(held)
+        target = layer.n_keep(held)
         if target >= held:
             continue
         scores = policy.keep_scores(slots)

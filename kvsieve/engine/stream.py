@@ -30,21 +30,24 @@ class Chunks:
     closed_form: bool = False
 
 
-def plan_chunks(q: int, prompt: int, *, stream: bool, decode: bool, policy: Policy, held: int, rolling: bool) -> Chunks:
+def plan_chunks(
+    q: int, prompt: int, *, stream: bool, decode: bool, policy: Policy, limit: int | None, held: int, rolling: bool
+) -> Chunks:
     """The chunks of a step of ``q`` tokens whose first ``prompt`` tokens are a prompt (0 for a later step).
 
-    ``stream``: the stream protocol; ``decode``: the step's tokens are decode steps (recording); ``held``: slots the
-    layer holds before the step; ``rolling``: position rolling (keys re-rotated by rank depend on the step, so no
-    closed form)."""
+    ``stream``: the stream protocol; ``decode``: the step's tokens are decode steps (recording); ``limit``: the most
+    tokens the layer holds after a step (None: no bound; the closed form holds only at the policy's budget);
+    ``held``: slots the layer holds before the step; ``rolling``: position rolling (keys re-rotated by rank depend on
+    the step, so no closed form)."""
     if prompt < q and (prompt > 0 or decode):  # one token at a time after the prompt
         return Chunks([0, *range(max(prompt, 1), q + 1)])
     if not stream or q == 1:
         return Chunks([0, q])
-    if isinstance(policy, SinkWindow) and not rolling:
+    if isinstance(policy, SinkWindow) and not rolling and limit == policy.budget:
         step = max(policy.budget, CLOSED_FORM_CHUNK)
         return Chunks([*range(0, q, step), q], closed_form=True)
     if policy.row_additive or not policy.needs_attention:
-        room = min(policy.budget - held, q) if policy.bounded else q
+        room = q if limit is None else min(limit - held, q)
         if room > 1:  # the tokens that fit before the first eviction: one chunk, the same result
             return Chunks([0, *range(room, q + 1)])
     return Chunks(list(range(q + 1)))

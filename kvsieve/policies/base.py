@@ -7,7 +7,9 @@ engine owns the storage (slots) and calls the policy at each forward step of tha
    probabilities with the query heads of a GQA group summed, the scaled logits per query head, the mask), possibly
    in several blocks of query rows. Policies accumulate whatever statistics they need into their per-slot state.
    Only a policy that overrides ``observe`` (or ``narrow``) makes the engine compute probabilities at all.
-2. ``n_keep(n)`` — how many slots to keep after the step, given ``n`` slots now (``n`` includes the new tokens).
+2. ``n_keep(n, limit)`` — how many slots to keep after the step, given ``n`` slots now (``n`` includes the new
+   tokens) and the most the layer may hold (the budget for the prompt, the decode budget's limit afterwards; the
+   policy's ``budget`` stays what its own parameters derive from).
 3. ``keep_scores(slots)`` — if ``n_keep(n) < n``: a priority per slot, floating point or integer; the engine keeps
    the ``n_keep`` highest (``+inf``, or :data:`PROTECTED`, = kept). Empty and padding slots are never kept in place
    of real tokens.
@@ -253,9 +255,10 @@ class Policy:
         """
         return allowed[:, :, None]
 
-    def n_keep(self, n: int) -> int:
-        """Tokens to keep after a step that left a row ``n`` tokens."""
-        return min(n, self.budget) if self.bounded else n
+    def n_keep(self, n: int, limit: int | None = None) -> int:
+        """Tokens to keep after a step that left a row ``n`` tokens, when the layer may hold ``limit`` (default: the
+        budget; after the prompt, the engine passes the decode budget's limit)."""
+        return min(n, self.budget if limit is None else limit) if self.bounded else n
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         """``[B, H, N]`` priority of each slot (higher = kept); called when a step leaves more than ``n_keep``."""

@@ -59,8 +59,8 @@ class KNorm(Policy):
                 f"knorm: drop must be in [1, budget + 1 - recent = {self.budget + 1 - self.recent}], got {p.drop}"
             )
 
-    def n_keep(self, n: int) -> int:
-        return drop_in_bulk(n, self.budget, self.params.drop)
+    def n_keep(self, n: int, limit: int | None = None) -> int:
+        return drop_in_bulk(n, self.budget if limit is None else limit, self.params.drop)
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"priority": ((), torch.int64)}

@@ -101,8 +101,8 @@ class Scissorhands(Policy):
         marks = torch.einsum("bhrn,brc->bhnc", low.float(), column.float()) > 0
         ring.copy_(torch.where(column.any(dim=1)[:, None, None, :], marks, ring))
 
-    def n_keep(self, n: int) -> int:
-        return drop_in_bulk(n, self.budget, self.drop)
+    def n_keep(self, n: int, limit: int | None = None) -> int:
+        return drop_in_bulk(n, self.budget if limit is None else limit, self.drop)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         count = slots.state["low"].sum(dim=-1)
