@@ -223,6 +223,9 @@ def _wait(ready: Any) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C must raise KeyboardInterrupt here even when this process inherited SIGINT ignored (a background job of a
+    # non-interactive shell ignores it, and Python then installs no handler): the Ctrl-C scenario sends it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     scenario, raw = sys.argv[1:]
     found = {"local": local, "cluster": cluster}[scenario](json.loads(raw))
     print("\n" + json.dumps(found))  # (the last line: Ray may print before)
