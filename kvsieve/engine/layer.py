@@ -380,8 +380,9 @@ class SieveLayer(CacheLayerMixin):
             causal_tail=not policy.observes_all_slots,  # (the chunk's tokens are the last q slots, in order)
         )
         weights = None
-        # Once a layer may grow without bound, nothing is ever evicted again: its statistics would never be used.
-        observes = policy.needs_attention and not policy.narrows and self.limit is not None
+        # Once a bounded policy's layer may grow without limit, nothing is evicted again: its statistics would never
+        # be used. A policy that never evicts observes all the same (the profiled schedule's Coverage measures).
+        observes = policy.needs_attention and not policy.narrows and (self.limit is not None or not policy.bounded)
         if observes or policy.narrows or args.explicit:
             observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
             narrow = policy.narrow if policy.narrows else None
