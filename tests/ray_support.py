@@ -104,28 +104,17 @@ def local(args: dict[str, Any]) -> dict[str, Any]:
         cells = {p.stem: json.loads(p.read_text()) for p in (work / "plain" / "cells").glob("*.json")}
         found["plain"] = {"rows": plain.rows, "computed": plain.computed, "cells": cells}
 
-        log.unlink()
-        writes.clear()
-        plan_file.write_text(json.dumps({"log": str(log), "faults": args["faults"]}))
-        first = sweep.run_sweep(work / "out", *grid, settings=settings, ray=options, progress=False)
-        found["first"] = {
-            "rows": first.rows,
-            "computed": first.computed,
-            "writes": writes.copy(),
-            "log": _attempts(log),
-        }
+        def sweep_out(faults: dict[str, str]) -> dict[str, Any]:
+            """A sweep into ``work/out`` with ``faults`` injected: its rows, cells computed, writes and attempts."""
+            log.unlink()
+            writes.clear()
+            plan_file.write_text(json.dumps({"log": str(log), "faults": faults}))
+            result = sweep.run_sweep(work / "out", *grid, settings=settings, ray=options, progress=False)
+            return {"rows": result.rows, "computed": result.computed, "writes": writes.copy(), "log": _attempts(log)}
 
+        found["first"] = sweep_out(args["faults"])
         (work / "out" / "cells" / f"{args['delete']}.json").unlink()
-        plan_file.write_text(json.dumps({"log": str(log), "faults": {}}))
-        log.unlink()
-        writes.clear()
-        second = sweep.run_sweep(work / "out", *grid, settings=settings, ray=options, progress=False)
-        found["rerun"] = {
-            "rows": second.rows,
-            "computed": second.computed,
-            "writes": writes.copy(),
-            "log": _attempts(log),
-        }
+        found["rerun"] = sweep_out({})
 
         hang = sweep.Cell("ppl", args["policies"][-1], args["budgets"][-1])
         plan_file.write_text(json.dumps({"log": str(log), "faults": {hang.key: "hang"}}))

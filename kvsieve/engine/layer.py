@@ -344,6 +344,8 @@ class SieveLayer(CacheLayerMixin):
         run = 1
         while i + run < len(pairs) and pairs[i + run][1] - pairs[i + run][0] == 1:
             run += 1
+        if run < 2:  # (a decode step)
+            return 1
         run = min(run, run_length(self, step.query, run))
         start = pairs[i][0]
         if run < 2 or not scannable(self, step[start : start + run], args):

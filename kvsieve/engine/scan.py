@@ -30,6 +30,7 @@ import torch
 
 from kvsieve.engine.slot_attention import AttentionArgs
 from kvsieve.policies import Observation, Slots
+from kvsieve.policies.base import protect
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import Chunk, SieveLayer
@@ -140,8 +141,7 @@ def _decide(
         if target >= held:
             continue
         scores = policy.keep_scores(slots)
-        highest = float("inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).max
-        scores = torch.where(gone, highest, scores)  # (torch.where: a fraction of masked_fill's time here)
+        scores = protect(scores, gone)  # (an empty slot is never a victim)
         if held - target == 1:
             victims = scores.argmin(dim=-1, keepdim=True)
         else:
