@@ -13,6 +13,7 @@ from kvsieve.engine.attention import use_kvsieve_attention
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache, layer_types
 from kvsieve.engine.plan import SAME, DecodeBudget
+from kvsieve.engine.quant import kv_quant
 from kvsieve.engine.schedules import schedule_weights
 from kvsieve.policies import Policy, resolve_spec
 from kvsieve.profiling import profile
@@ -29,6 +30,9 @@ def make_cache(
     stream: bool = False,
     schedule: str | Sequence[float] = "uniform",
     decode_budget: DecodeBudget = SAME,
+    kv_bits: int | None = None,
+    group_size: int | None = None,
+    residual: int | None = None,
     **policy_kwargs: Any,
 ) -> SieveCache:
     """An evicting cache for ``model``: use it as ``past_key_values`` in ``generate`` or a forward loop.
@@ -45,17 +49,25 @@ def make_cache(
     :mod:`kvsieve.engine.schedules`). ``decode_budget``: budgets by phase: the prompt (the first forward pass, or
     its first tokens: ``cache.set_prompt_length``) is compressed to ``budget``, then the cache may grow up to
     ``decode_budget`` tokens per layer (tokens or a ratio of the prompt, at least ``budget``; ``None``: unbounded
-    growth, i.e. prefill-only compression; default ``"budget"``: the cache never grows). Switches the model to
-    kvsieve's attention implementation (see :func:`use_kvsieve_attention`).
+    growth, i.e. prefill-only compression; default ``"budget"``: the cache never grows). ``kv_bits`` (8, 4 or 2;
+    default None: as the model computes them) stores keys and values as packed codes, ``group_size`` channels per
+    float16 scale/zero (default 32), the ``residual`` newest tokens of each row also exactly (default 32; see
+    :mod:`kvsieve.engine.quant`); any policy. Switches the model to kvsieve's attention implementation (see
+    :func:`use_kvsieve_attention`).
     """
-    cls, kwargs, schedule = resolve_spec(policy, policy_kwargs, schedule)
+    cls, kwargs, schedule, from_spec = resolve_spec(policy, policy_kwargs, schedule)
+    given = {"kv_bits": kv_bits, "group_size": group_size, "residual": residual}
+    twice = sorted(key for key, value in given.items() if value is not None and key in from_spec)
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given both in {policy!r} and separately")
+    quant = kv_quant(**{key: value for key, value in given.items() if value is not None}, **from_spec)
     params = cls.Params(**kwargs)
     weights = None
     if cls.takes_budget():
         n_layers = layer_types(model).count("full_attention")
         weights = schedule_weights(schedule, n_layers, lambda: profile(model))
     cache = SieveCache.for_model(
-        model, cls, params, budget, weights, rolling=rolling, stream=stream, decode_budget=decode_budget
+        model, cls, params, budget, weights, rolling=rolling, stream=stream, decode_budget=decode_budget, quant=quant
     )
     use_kvsieve_attention(model)
     return cache

@@ -193,7 +193,7 @@ def compress(
     None: without bound); the other arguments are :func:`kvsieve.make_cache`'s."""
     if not isinstance(context, str) or not context.strip():
         raise ValueError("the context must be a non-empty string")
-    cls, params, schedule = resolve_spec(policy, policy_kwargs, schedule)
+    cls, params, schedule, quant = resolve_spec(policy, policy_kwargs, schedule)
     spec = {
         "policy": cls.name,
         "params": params,
@@ -201,6 +201,7 @@ def compress(
         "decode_budget": decode_budget,
         "schedule": schedule if isinstance(schedule, str) else list(schedule),
         "rolling": rolling,
+        "quant": quant,
     }
     cache = _make(model, spec)
     context_text, question_template = split_prompt(tokenizer, context)
@@ -247,7 +248,7 @@ def load_context(path: str | Path, model: PreTrainedModel, tokenizer: PreTrained
                 f"{path} holds a context compressed by {header['model'] or 'another model'} ({header[key]}); this "
                 f"model ({identity['model'] or type(model).__name__}) differs in {what} ({identity[key]})"
             )
-    spec = {key: header[key] for key in _SPEC_FIELDS}
+    spec = {key: header[key] for key in _SPEC_FIELDS} | {"quant": header.get("quant", {})}
     cache = _make(model, spec)
     context_ids = tensors.pop("context_ids")
     cache.restore(tensors, header["layers"], context_ids.shape[1])
@@ -280,5 +281,6 @@ def _make(model: PreTrainedModel, spec: dict[str, Any]) -> SieveCache:
         decode_budget=spec["decode_budget"],
         schedule=spec["schedule"],
         rolling=spec["rolling"],
+        **spec["quant"],
         **spec["params"],
     )

@@ -230,8 +230,8 @@ def test_model_args_policy_params_are_parsed_by_their_type(tiny_lm) -> None:
 
 
 def test_a_spec_carries_parameters_and_a_schedule(llama_gqa) -> None:
-    cls, params, schedule = resolve_spec(" ahakv: sgs=false , recent=3,schedule=increasing")
-    assert (cls, params, schedule) == (AhaKV, {"sgs": False, "recent": 3}, "increasing")
+    cls, params, schedule, quant = resolve_spec(" ahakv: sgs=false , recent=3,schedule=increasing,kv_bits=4")
+    assert (cls, params, schedule, quant) == (AhaKV, {"sgs": False, "recent": 3}, "increasing", {"kv_bits": "4"})
     from_spec = kvsieve.make_cache(llama_gqa, "h2o:recent=0,schedule=increasing", 12)
     from_kwargs = kvsieve.make_cache(llama_gqa, "h2o", 12, schedule="increasing", recent=0)
     uniform = kvsieve.make_cache(llama_gqa, "h2o", 12)

@@ -204,7 +204,7 @@ def test_prompt_split_follows_the_chat_template(tokenizer) -> None:
     assert context_part.endswith("CONTEXT {x}\n\n")
 
 
-@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "streaming_llm"])
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "streaming_llm", "h2o:kv_bits=4,group_size=8,residual=4"])
 def test_saved_context_answers_exactly_like_the_original(tiny_lm, tmp_path, policy) -> None:
     model, tokenizer = tiny_lm
     qa = kvsieve.compress(model, tokenizer, CONTEXT, policy=policy, budget=0.3, decode_budget=0.4)

@@ -19,6 +19,7 @@ from kvsieve.engine.attention import UnsupportedModelError
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant
 from kvsieve.engine.rope import Rotary
 from kvsieve.policies import NoParams, Policy
 from kvsieve.policies.local import Local
@@ -51,12 +52,13 @@ class SieveCache(Cache):
 
     layers: list[SieveLayer]
 
-    def __init__(self, plan: PolicyPlan, sliding: Sequence[bool], stream: bool = False) -> None:
+    def __init__(self, plan: PolicyPlan, sliding: Sequence[bool], stream: bool = False, codec: Codec = PLAIN) -> None:
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be True or False, got {stream!r}")
         self.memo = StepMemo()
-        super().__init__(layers=[SieveLayer(plan, self.memo, i, s) for i, s in enumerate(sliding)])
+        super().__init__(layers=[SieveLayer(plan, self.memo, i, s, codec) for i, s in enumerate(sliding)])
         self.plan = plan
+        self.codec = codec
         for layer in self.layers:
             layer.streaming = stream
 
@@ -72,9 +74,11 @@ class SieveCache(Cache):
         rolling: bool = False,
         stream: bool = False,
         decode_budget: DecodeBudget = SAME,
+        quant: KVQuant | None = None,
     ) -> SieveCache:
         """A cache for ``model``'s layers: the policy (with a budget, and ``weights`` for a layer schedule) on the
-        full-attention layers, a window on the sliding ones (see :func:`kvsieve.make_cache`)."""
+        full-attention layers, a window on the sliding ones, slots quantized as ``quant`` says (see
+        :func:`kvsieve.make_cache`)."""
         types = layer_types(model)
         config = model.config.get_text_config()
         window = getattr(config, "sliding_window", None)
@@ -85,7 +89,10 @@ class SieveCache(Cache):
         layers = [(policy, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
         takes_budget = policy.takes_budget()
         plan = PolicyPlan(layers, budget if takes_budget else None, weights if takes_budget else None, decode_budget)
-        cache = cls(plan, [t == "sliding_attention" for t in types], stream=stream)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if quant is not None:
+            quant.check(head_dim)
+        cache = cls(plan, [t == "sliding_attention" for t in types], stream=stream, codec=quant or PLAIN)
         if rolling:
             cache.enable_rolling(Rotary.from_config(config))
         return cache

@@ -30,9 +30,10 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
 from kvsieve.engine.plan import PolicyPlan, StepMemo
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual
 from kvsieve.engine.rope import Rotary, ranks
 from kvsieve.engine.scan import run_length, scan, scannable
-from kvsieve.engine.slot_attention import AttentionArgs, Visibility, fused_attention, observed_attention
+from kvsieve.engine.slot_attention import AttentionArgs, Exact, Visibility, fused_attention, observed_attention
 from kvsieve.engine.storage import SlotStore
 from kvsieve.engine.stream import plan_chunks
 from kvsieve.policies import Policy, Slots
@@ -73,8 +74,11 @@ class SieveLayer(CacheLayerMixin):
     is_croppable = True  # what activate_past_recording() records, crop() rolls back exactly
     supports_early_init = False  # the policy (and its state) is known only at the first update
 
-    def __init__(self, plan: PolicyPlan, memo: StepMemo, layer_idx: int, is_sliding: bool = False) -> None:
+    def __init__(
+        self, plan: PolicyPlan, memo: StepMemo, layer_idx: int, is_sliding: bool = False, codec: Codec = PLAIN
+    ) -> None:
         self.store: SlotStore | None = None
+        self.codec = codec
         super().__init__()
         self.plan, self.memo = plan, memo
         self.layer_idx = layer_idx
@@ -95,27 +99,42 @@ class SieveLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """The key buffer ``[B, H, capacity, D]`` (None before the first step)."""
-        return None if self.store is None else self.store.keys
+        """The keys held ``[B, H, slots, D]`` (None before the first step): the buffer itself, or dequantized."""
+        return None if self.store is None else self._held_kv()[0]
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            self.store.keys = value
+        self._set_held("keys", value)
 
     @property
     def values(self) -> torch.Tensor | None:
-        """The value buffer ``[B, H, capacity, D]`` (None before the first step)."""
-        return None if self.store is None else self.store.values
+        """The values held ``[B, H, slots, D]`` (None before the first step): the buffer itself, or dequantized."""
+        return None if self.store is None else self._held_kv()[1]
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            self.store.values = value
+        self._set_held("values", value)
+
+    def _held_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        store = self.store
+        if store.quantized:
+            return store.decoded()
+        return store.kv["keys"], store.kv["values"]
+
+    def _set_held(self, name: str, value: torch.Tensor | None) -> None:
+        if value is None:
+            return
+        if self.store.quantized:
+            raise ValueError(f"layer {self.layer_idx} holds quantized slots: its {name} cannot be set")
+        self.store.kv[name] = value
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = SlotStore.empty(key_states, value_states, self.policy.state_spec(), self._store_limit())
+        if isinstance(self.codec, KVQuant):
+            self.codec.check(key_states.shape[-1])
+        self.store = SlotStore.empty(
+            key_states, value_states, self.policy.state_spec(), self._store_limit(), self.codec
+        )
         self.newest = torch.full((key_states.shape[0],), -1, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -134,13 +153,15 @@ class SieveLayer(CacheLayerMixin):
             self.policy = self.plan.resolve(prompt)[self.layer_idx]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[0] != self.keys.shape[0]:
+        elif key_states.shape[0] != self.store.positions.shape[0]:
             raise ValueError(
-                f"batch size changed from {self.keys.shape[0]} to {key_states.shape[0]}; use a new cache or reset()"
+                f"batch size changed from {self.store.positions.shape[0]} to {key_states.shape[0]}; use a new cache "
+                "or reset()"
             )
-        elif key_states.shape[1] != self.keys.shape[1] or key_states.shape[-1] != self.keys.shape[-1]:
+        elif key_states.shape[1] != self.store.positions.shape[1] or key_states.shape[-1] != self.store.head_dim:
+            heads, dim = self.store.positions.shape[1], self.store.head_dim
             raise ValueError(
-                f"layer {self.layer_idx} holds {self.keys.shape[1]} KV heads of dim {self.keys.shape[-1]}, the model "
+                f"layer {self.layer_idx} holds {heads} KV heads of dim {dim}, the model "
                 f"gives {key_states.shape[1]} of dim {key_states.shape[-1]}: a cache serves one model; make one for "
                 "this model with kvsieve.make_cache"
             )
@@ -227,9 +248,12 @@ class SieveLayer(CacheLayerMixin):
             store = store.copy()
             store.compact()
         n = store.used
+        residual = {} if store.residual is None else {"residual.keys": store.residual.keys}
+        if store.residual is not None:
+            residual["residual.values"] = store.residual.values
         tensors = {
-            "keys": store.keys[:, :, :n],
-            "values": store.values[:, :, :n],
+            **{name: t[:, :, :n] for name, t in store.kv.items()},
+            **residual,
             "positions": store.positions[:, :, :n],
             "newest": self.newest.clone(),  # (layers share it)
             **{f"state.{name}": t[:, :, :n] for name, t in store.state.items()},
@@ -239,6 +263,7 @@ class SieveLayer(CacheLayerMixin):
             "eviction_rounds": self.eviction_rounds,
             "may_hold_padding": store.may_hold_padding,
             "decoding": self.decoding,
+            "dtype": str(store.dtype).removeprefix("torch."),
         }
         return {name: t.contiguous() for name, t in tensors.items()}, counters
 
@@ -246,21 +271,28 @@ class SieveLayer(CacheLayerMixin):
         """Hold what :meth:`export` gave (the policy resolved against a prompt of ``prompt_len`` tokens)."""
         self.reset()
         self.policy = self.plan.resolve(prompt_len)[self.layer_idx]
-        missing = sorted({"keys", "values", "positions", "newest"} | {f"state.{n}" for n in self.policy.state_spec()})
-        missing = [name for name in missing if name not in tensors]
+        codec = self.codec
+        residual = ("residual.keys", "residual.values") if codec.residual else ()
+        needed = {*codec.names(), *residual, "positions", "newest"} | {f"state.{n}" for n in self.policy.state_spec()}
+        missing = [name for name in sorted(needed) if name not in tensors]
         if missing:
-            raise ValueError(f"layer {self.layer_idx} misses {', '.join(missing)} for policy {self.policy.name}")
-        keys = tensors["keys"]
-        self.dtype, self.device = keys.dtype, keys.device
+            raise ValueError(
+                f"layer {self.layer_idx} misses {', '.join(missing)} for policy {self.policy.name} with {codec}"
+            )
+        positions = tensors["positions"]
+        self.device = positions.device
+        self.dtype = getattr(torch, counters["dtype"]) if "dtype" in counters else tensors["keys"].dtype
         self.decoding = bool(counters["decoding"])
         self.store = SlotStore(
-            keys=keys,
-            values=tensors["values"],
-            positions=tensors["positions"],
+            kv={name: tensors[name] for name in codec.names()},
+            positions=positions,
             state={name: tensors[f"state.{name}"] for name in self.policy.state_spec()},
             limit=self._store_limit(),
-            used=keys.shape[2],
+            used=positions.shape[2],
             may_hold_padding=bool(counters["may_hold_padding"]),
+            codec=codec,
+            residual=Residual(tensors[residual[0]], tensors[residual[1]], codec.residual) if residual else None,
+            dtype=self.dtype,
         )
         self.newest = tensors["newest"]
         self.tokens_seen = int(counters["tokens_seen"])
@@ -373,9 +405,17 @@ class SieveLayer(CacheLayerMixin):
         keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
         start = store.append(keys, chunk.values, new_pos, policy.initial_state(keys, new_pos))
         slots = store.view(self.newest)
-        keys, query = slots.keys, chunk.query
+        keys, values, query, exact = slots.keys, slots.values, chunk.query, None
+        if q > 1 and store.step is not None and store.step.exact_keys is not None:
+            # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
+            keys, values = store.step.keys, store.step.values
+            exact = Exact(store.step.exact_keys, store.step.exact_values, store.codec.residual)
         if self.rotary is not None:  # keys are stored un-rotated; re-rotated by rank (position rolling)
-            keys, query = self._rolled(slots, query, query_pos, slice(start, start + q))
+            rank = ranks(slots.pos)
+            query = self._rolled_query(rank, query, query_pos, slice(start, start + q), keys.shape[1])
+            keys = self.rotary.rotate(keys, rank)
+            if exact is not None:
+                exact = Exact(self.rotary.rotate(exact.keys, rank), exact.values, exact.residual)
         seen = Visibility(
             restrict=policy.stream_visible if closed_form and q > 1 else None,
             all_visible=q == 1 and chunk.padding is None and args.window is None and not store.may_hold_padding,
@@ -385,17 +425,18 @@ class SieveLayer(CacheLayerMixin):
         # Once a bounded policy's layer may grow without limit, nothing is evicted again: its statistics would never
         # be used. A policy that never evicts observes all the same (the profiled schedule's Coverage measures).
         observes = policy.needs_attention and not policy.narrows and (self.limit is not None or not policy.bounded)
-        if observes or policy.narrows or args.explicit:
+        if observes or policy.narrows or args.explicit or exact is not None:
             observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
             narrow = policy.narrow if policy.narrows else None
             out, weights = observed_attention(
-                query, keys, slots.values, slots.pos, query_pos, args, seen, observe, narrow
+                query, keys, values, slots.pos, query_pos, args, seen, observe, narrow, exact
             )
         else:
-            out = fused_attention(query, keys, slots.values, slots.pos, query_pos, args, seen)
+            out = fused_attention(query, keys, values, slots.pos, query_pos, args, seen)
         if weights is not None:
             weights = _by_column(weights, slots.pos, columns, self.tokens_seen)
         self._evict(slots)
+        store.release()
         return out, weights
 
     def _positions(
@@ -412,14 +453,12 @@ class SieveLayer(CacheLayerMixin):
             newest = self.newest + padding.sum(-1)
         return query_pos, newest, query_pos[:, None, :].expand(-1, heads, -1)
 
-    def _rolled(
-        self, slots: Slots, query: torch.Tensor, query_pos: torch.Tensor, new: slice
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys rotated by their rank in the cache, and the queries (slots ``new``) by theirs."""
-        rank = ranks(slots.pos)
-        keys = self.rotary.rotate(slots.keys, rank)
-        query_rank = rank[:, :, new].repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
-        return keys, self.rotary.rotate(query, query_rank - query_pos[:, None, :])
+    def _rolled_query(
+        self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int
+    ) -> torch.Tensor:
+        """The queries rotated by the rank ``rank[..., new]`` of their own slots (their keys are rotated by rank)."""
+        query_rank = rank[:, :, new].repeat_interleave(query.shape[1] // kv_heads, dim=1)
+        return self.rotary.rotate(query, query_rank - query_pos[:, None, :])
 
     def _evict(self, slots: Slots) -> None:
         """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""

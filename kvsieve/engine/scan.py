@@ -17,9 +17,9 @@ token-by-token engine). Position-only policies (:class:`~kvsieve.policies.base.P
 run's decisions between the layers of a group: only the first one steps through the run.
 
 A run can be scanned when its tokens and the layer's slots hold no padding (a left-padded batch's runs once the
-padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing
-the scan does not compute (soft-capping, sinks, returned weights); otherwise the layer steps through it chunk by
-chunk (:meth:`SieveLayer._step`).
+padding slots were evicted), positions are not rolled, the layer has no window, its slots are not quantized, and
+the attention needs nothing the scan does not compute (soft-capping, sinks, returned weights); otherwise the layer
+steps through it chunk by chunk (:meth:`SieveLayer._step`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
         and not args.explicit
         and layer.limit is not None
         and not layer.policy.narrows
+        and not store.quantized
     )
 
 
@@ -86,7 +87,7 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
     new_pos = query_pos[:, None, :].expand(-1, heads, -1)
     store.append(chunk.keys, chunk.values, torch.full_like(new_pos, -1), policy.initial_state(chunk.keys, new_pos))
     n = store.used
-    keys, values, pos = store.keys[:, :, :n], store.values[:, :, :n], store.positions[:, :, :n]
+    keys, values, pos = store.kv["keys"][:, :, :n], store.kv["values"][:, :, :n], store.positions[:, :, :n]
     state = {name: t[:, :, :n] for name, t in store.state.items()}
     logits = _logits(chunk.query, keys, args.scaling) if policy.needs_attention else None
     gone, kept = layer.memo.decide(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvsieve.engine.quant import recent
 from kvsieve.policies.base import Observation, visible_slots
 
 # Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
@@ -48,6 +49,17 @@ class AttentionArgs:
     def explicit(self) -> bool:
         """Whether the logits must be computed explicitly (the fused kernel has none of these)."""
         return self.softcap is not None or self.sinks is not None or self.weights
+
+
+@dataclass(frozen=True)
+class Exact:
+    """Quantized slots: the slots' exact keys and values ``[B, Hkv, N, D]`` (meaningful within the residual), read
+    instead of the dequantized ones by each query within ``residual`` positions of the token
+    (:func:`kvsieve.engine.quant.recent`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    residual: int
 
 
 @dataclass(frozen=True)
@@ -162,11 +174,13 @@ def observed_attention(
     seen: Visibility,
     observe: Callable[[Observation], None] | None = None,
     narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    exact: Exact | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention of :func:`fused_attention`, computed explicitly: logits and probabilities in fp32 (fp64 for a
     fp64 model), soft-capped and with sinks as ``args`` say. ``observe`` gets each block of rows as an
     :class:`~kvsieve.policies.base.Observation`; ``narrow(logits, allowed)`` may restrict each query head's keys
-    further (see :meth:`~kvsieve.policies.base.Policy.narrow`). Returns the output ``[B, Hq, q, D]`` and, with
+    further (see :meth:`~kvsieve.policies.base.Policy.narrow`); with ``exact``, each query reads its recent slots'
+    exact keys and values. Returns the output ``[B, Hq, q, D]`` and, with
     ``args.weights``, the probabilities ``[B, Hq, q, N]``."""
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = keys.shape[1], keys.shape[2]
@@ -181,11 +195,16 @@ def observed_attention(
         and seen.restrict is None
         and bool((key_pos >= 0).all())
     )
+
     # Keys transposed once, contiguous for a prompt: its matmuls run ~1.5x faster. The products are batched over
     # (row, KV head) pairs (bmm: faster than a 4-D matmul for a decode step).
-    key_t = keys.transpose(-1, -2)
-    key_t = (key_t.contiguous() if q_len > 1 else key_t).reshape(bsz * n_kv_heads, head_dim, n_slots)
-    values_3d = values.reshape(bsz * n_kv_heads, n_slots, -1)
+    def folded(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key_t = keys.transpose(-1, -2)
+        key_t = (key_t.contiguous() if q_len > 1 else key_t).reshape(bsz * n_kv_heads, head_dim, n_slots)
+        return key_t, values.reshape(bsz * n_kv_heads, n_slots, -1)
+
+    key_t, values_3d = folded(keys, values)
+    exact_key_t, exact_values_3d = (None, None) if exact is None else folded(exact.keys, exact.values)
     sinks = None if args.sinks is None else args.sinks.to(precision).view(1, n_kv_heads, group, 1, 1)
     all_weights = query.new_zeros((bsz, n_q_heads, q_len, n_slots), dtype=torch.float32) if args.weights else None
     outputs = []
@@ -193,8 +212,11 @@ def observed_attention(
         b, cols, kp, qp = blk.end - blk.start, blk.cols, blk.key_pos, blk.query_pos
         allowed = None if diagonal_only else visible(kp, qp, args.window, seen)
         q_fold = (blk.query * args.scaling).reshape(bsz * n_kv_heads, group * b, head_dim)
-        logits = torch.bmm(q_fold, key_t if cols == n_slots else key_t[..., :cols])
-        logits = logits.to(precision).view(bsz, n_kv_heads, group, b, cols)
+        logits = torch.bmm(q_fold, key_t[..., :cols]).to(precision).view(bsz, n_kv_heads, group, b, cols)
+        if exact is not None:
+            band = recent(kp, qp, exact.residual)[:, :, None]
+            exact_logits = torch.bmm(q_fold, exact_key_t[..., :cols]).to(precision)
+            logits = torch.where(band, exact_logits.view_as(logits), logits)
         if args.softcap is not None:  # before masking, as the models' eager attention
             logits = torch.tanh(logits / args.softcap) * args.softcap
         if narrow is not None:
@@ -210,7 +232,13 @@ def observed_attention(
         else:  # the sink's probability belongs to no token: dropped after the softmax
             probs = torch.cat([logits, sinks.expand(bsz, -1, -1, b, 1)], dim=-1).softmax(dim=-1)[..., :cols]
         weights = probs.reshape(bsz * n_kv_heads, group * b, cols).to(values.dtype)
-        out = torch.bmm(weights, values_3d if cols == n_slots else values_3d[:, :cols])
+        if exact is None:
+            out = torch.bmm(weights, values_3d[:, :cols])
+        else:  # (each query's weights split between the dequantized and the exact values)
+            split = weights.view(bsz, n_kv_heads, group, b, cols)
+            from_exact = torch.where(band, split, 0).view_as(weights)
+            from_codes = torch.where(band, 0, split).view_as(weights)
+            out = torch.bmm(from_codes, values_3d[:, :cols]) + torch.bmm(from_exact, exact_values_3d[:, :cols])
         outputs.append(out.view(bsz, n_q_heads, b, -1))
         if all_weights is not None:
             all_weights[:, :, blk.start : blk.end, :cols] = probs.reshape(bsz, n_q_heads, b, cols)

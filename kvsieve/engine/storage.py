@@ -3,6 +3,8 @@
 Buffers are ``[batch, kv_heads, capacity, ...]``; the first ``used`` slots are in use. The slot count is shared by
 the layer, but every (batch row, KV head) keeps its own token set: slot ``s`` of row ``b`` and head ``h`` holds the
 token at original position ``positions[b, h, s]`` (-1 = empty or padding). Per-slot state moves with its token.
+Keys and values are held as the layer's codec says (:mod:`kvsieve.engine.quant`: as they are, or quantized codes
+with their scales), in per-slot tensors that move like the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvsieve.engine.quant import PLAIN, Codec, Residual, recent
 from kvsieve.policies import Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
@@ -19,11 +22,22 @@ StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 @dataclass
-class SlotStore:
-    """One layer's slots (see the module docstring). Eviction keeps at most ``limit`` slots allocated."""
+class StepKV:
+    """The slots in use during a step of a quantized store, decoded once: dequantized, and exact where the residual
+    (or the step's own tokens) gives them (elsewhere: meaningless), each ``[B, H, used, D]``."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    exact_keys: torch.Tensor | None
+    exact_values: torch.Tensor | None
+
+
+@dataclass
+class SlotStore:
+    """One layer's slots (see the module docstring). Eviction keeps at most ``limit`` slots allocated."""
+
+    kv: dict[str, torch.Tensor]
+    """The keys and values, as the codec holds them (:mod:`kvsieve.engine.quant`)."""
     positions: torch.Tensor
     state: dict[str, torch.Tensor]
     limit: int | float
@@ -34,57 +48,101 @@ class SlotStore:
     written into it (no copy of the cache)."""
     may_hold_padding: bool = False
     """Whether slots in use may hold padding (position -1)."""
+    codec: Codec = PLAIN
+    residual: Residual | None = None
+    """Quantized slots: exact copies of each row's newest tokens."""
+    dtype: torch.dtype = torch.float32
+    """The model's dtype (keys and values are read in it)."""
+    step: StepKV | None = None
+    """Quantized slots, during a step: the slots decoded (see :meth:`append`, :meth:`release`)."""
 
     @classmethod
-    def empty(cls, keys: torch.Tensor, values: torch.Tensor, state: StateSpec, limit: int | float) -> SlotStore:
+    def empty(
+        cls, keys: torch.Tensor, values: torch.Tensor, state: StateSpec, limit: int | float, codec: Codec = PLAIN
+    ) -> SlotStore:
         """Empty buffers for tokens like ``keys``/``values`` ``[B, H, q, D]``, with the per-slot ``state``."""
         bsz, heads = keys.shape[:2]
         return cls(
-            keys=keys.new_empty((bsz, heads, 0, keys.shape[-1])),
-            values=values.new_empty((bsz, heads, 0, values.shape[-1])),
+            kv={name: t.new_empty((bsz, heads, 0, *t.shape[3:])) for name, t in codec.encode(keys, values).items()},
             positions=torch.empty((bsz, heads, 0), dtype=torch.long, device=keys.device),
             state={
                 name: torch.zeros((bsz, heads, 0, *extra), dtype=dtype, device=keys.device)
                 for name, (extra, dtype) in state.items()
             },
             limit=limit,
+            codec=codec,
+            residual=Residual.empty(keys, codec.residual) if codec.residual else None,
+            dtype=keys.dtype,
         )
 
     @property
     def capacity(self) -> int:
         """Allocated slots."""
-        return self.keys.shape[2]
+        return self.positions.shape[2]
 
     @property
     def held(self) -> int:
         """Tokens held (the stale slot excluded)."""
         return self.used - (self.stale is not None)
 
+    @property
+    def quantized(self) -> bool:
+        return self.codec is not PLAIN
+
+    @property
+    def head_dim(self) -> int:
+        return self.codec.head_dim(self.kv)
+
+    def decoded(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, n, D]`` of the first ``n`` slots (default: those in use), dequantized."""
+        return self.codec.decode(self.kv, self.used if n is None else n, self.dtype)
+
     def view(self, last: torch.Tensor) -> Slots:
         """The policy's view of the slots in use (during a step every one holds a token or padding); ``last``:
-        each row's newest position."""
-        return Slots(self.positions, self.state, last, self.keys, self.values).prefix(self.used)
+        each row's newest position. Quantized slots are seen as by the newest token: exact within the residual."""
+        if self.step is None:
+            keys, values = self.decoded()
+        elif self.step.exact_keys is None:
+            keys, values = self.step.keys, self.step.values
+        else:
+            exact = recent(self.positions[:, :, : self.used], last, self.codec.residual)[..., None]
+            keys = torch.where(exact, self.step.exact_keys, self.step.keys)
+            values = torch.where(exact, self.step.exact_values, self.step.values)
+        return Slots(self.positions, self.state, last, keys, values).prefix(self.used)
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, initial: dict[str, torch.Tensor]
     ) -> int | None:
         """Store ``q`` new tokens (``keys``/``values`` ``[B, H, q, D]``, ``positions`` ``[B, H, q]``, ``initial``
         state): a single token takes the stale slot (None is returned), else they go at the end (the slot of the
-        first is returned)."""
-        if self.stale is None:
+        first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`)."""
+        stale = self.stale
+        if stale is None:
             self.reserve(self.used + keys.shape[2])
-        others = [(self.positions, positions), *((t, initial.get(name, 0)) for name, t in self.state.items())]
-        if self.stale is not None:  # (a single token: compact() runs before a step of several)
-            _write_slot(self.keys, self.values, others, self.stale, keys, values)
-            self.stale = None
-            return None
-        start = self.used
-        self.used += keys.shape[2]
-        self.keys[:, :, start : self.used] = keys
-        self.values[:, :, start : self.used] = values
-        for t, new in others:
-            t[:, :, start : self.used] = new
+        entries = self.codec.encode(keys, values)
+        pairs = [
+            (self.positions, positions),
+            *((t, initial.get(name, 0)) for name, t in self.state.items()),
+            *((self.kv[name], entries[name]) for name in self.kv),
+        ]
+        start = None if stale is not None else self.used
+        if stale is None:
+            self.used += keys.shape[2]
+        _put(pairs, stale, start, self.used)
+        self.stale = None
+        if self.quantized:
+            dequantized = self.decoded()
+            exact = None
+            if self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
+                exact = self.residual.read(self.positions[:, :, : self.used])
+                _put(list(zip(exact, (keys, values), strict=True)), stale, start, self.used)
+                self.residual.write(keys, values, positions)
+            self.step = StepKV(*dequantized, *(exact or (None, None)))
         return start
+
+    def release(self) -> None:
+        """The step is over: drop its decoded slots."""
+        self.step = None
 
     def reserve(self, needed: int) -> None:
         """Grow the buffers to hold ``needed`` slots (by at least :data:`GROWTH`, never past ``limit``)."""
@@ -95,7 +153,7 @@ class SlotStore:
 
     def compact(self) -> None:
         """Close the stale slot by moving the last slot into it."""
-        _move_slot(self.keys, self.values, [self.positions, *self.state.values()], self.used - 1, self.stale)
+        _move_slot(self._slot_tensors(), self.used - 1, self.stale)
         self.used -= 1
         self.stale = None
 
@@ -105,7 +163,7 @@ class SlotStore:
         if leave_stale:
             self.stale = victim
             return
-        _move_slot(self.keys, self.values, [self.positions, *self.state.values()], self.used - 1, victim)
+        _move_slot(self._slot_tensors(), self.used - 1, victim)
         self.used -= 1
 
     def keep(self, chosen: torch.Tensor) -> None:
@@ -131,13 +189,20 @@ class SlotStore:
         if self.stale is not None:
             self.compact()
         self._map(fn)
+        if self.residual is not None:
+            self.residual = self.residual.map(fn)
 
     @classmethod
     def concat(cls, stores: Sequence[SlotStore]) -> SlotStore:
-        """The rows of ``stores`` (of layers with the same slot limit and state) in one store: each row keeps its
-        slots in their order; a row that uses fewer slots than the most is padded with empty slots (position -1)."""
-        if len({store.limit for store in stores}) != 1 or len({tuple(store.state) for store in stores}) != 1:
-            raise ValueError("only stores of the same slot limit and policy state can be joined")
+        """The rows of ``stores`` (of layers with the same slot limit, codec and state) in one store: each row keeps
+        its slots in their order; a row that uses fewer slots than the most is padded with empty slots (position
+        -1)."""
+        if (
+            len({store.limit for store in stores}) != 1
+            or len({tuple(store.state) for store in stores}) != 1
+            or len({repr(store.codec) for store in stores}) != 1
+        ):
+            raise ValueError("only stores of the same slot limit, policy state and quantization can be joined")
         for store in stores:
             if store.stale is not None:
                 store.compact()
@@ -147,37 +212,51 @@ class SlotStore:
         def joined(pick: Callable[[SlotStore], torch.Tensor], fill: int) -> torch.Tensor:
             return torch.cat([_padded(pick(store), capacity, store.used, fill) for store in stores])
 
+        first = stores[0]
         return cls(
-            keys=joined(lambda store: store.keys, 0),
-            values=joined(lambda store: store.values, 0),
+            kv={name: joined(lambda store, name=name: store.kv[name], 0) for name in first.kv},
             positions=joined(lambda store: store.positions, -1),
-            state={name: joined(lambda store, name=name: store.state[name], 0) for name in stores[0].state},
-            limit=stores[0].limit,
+            state={name: joined(lambda store, name=name: store.state[name], 0) for name in first.state},
+            limit=first.limit,
             used=used,
             may_hold_padding=any(store.may_hold_padding or store.used < used for store in stores),
+            codec=first.codec,
+            residual=None
+            if first.residual is None
+            else Residual(
+                torch.cat([store.residual.keys for store in stores]),
+                torch.cat([store.residual.values for store in stores]),
+                first.residual.size,
+            ),
+            dtype=first.dtype,
         )
 
     def copy(self) -> SlotStore:
         """A deep copy (to restore later)."""
         return replace(
             self,
-            keys=self.keys.clone(),
-            values=self.values.clone(),
+            kv={name: t.clone() for name, t in self.kv.items()},
             positions=self.positions.clone(),
             state={name: t.clone() for name, t in self.state.items()},
             stale=None if self.stale is None else self.stale.clone(),
+            residual=None if self.residual is None else self.residual.map(torch.clone),
+            step=None,
         )
 
     def kv_nbytes(self) -> int:
-        """Bytes allocated for keys and values."""
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes allocated for keys and values (codes, scales and the residual's exact copies when quantized)."""
+        return sum(t.nbytes for t in self.kv.values()) + (0 if self.residual is None else self.residual.nbytes)
 
     def state_nbytes(self) -> int:
         """Bytes allocated for positions and policy state."""
         return self.positions.nbytes + sum(t.nbytes for t in self.state.values())
 
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        return [*self.kv.values(), self.positions, *self.state.values()]
+
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        self.kv = {name: fn(t) for name, t in self.kv.items()}
+        self.positions = fn(self.positions)
         self.state = {name: fn(t) for name, t in self.state.items()}
 
 
@@ -213,29 +292,19 @@ def _state_index(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return index.view(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
 
 
-def _write_slot(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    others: Iterable[tuple[torch.Tensor, torch.Tensor | int]],
-    slot: torch.Tensor,
-    new_keys: torch.Tensor,
-    new_values: torch.Tensor,
+def _put(
+    pairs: Iterable[tuple[torch.Tensor, torch.Tensor | int]], stale: torch.Tensor | None, start: int | None, end: int
 ) -> None:
-    """In place: write one token per (row, head) into slot ``slot[b, h, 0]`` of the keys, the values and each
-    ``(slot tensor, new entry)`` of ``others`` (positions, policy state)."""
-    wide = slot[..., None].expand(*slot.shape, keys.shape[-1])  # shared by keys and values
-    keys.scatter_(2, wide, new_keys)
-    values.scatter_(2, wide, new_values)
-    for t, new in others:
-        t.scatter_(2, _state_index(slot, t), new)
+    """In place: write new tokens' entries into each ``(slot tensor, entries)`` pair: one token per (row, head) into
+    slot ``stale[b, h, 0]``, or several into slots ``start:end``."""
+    for t, new in pairs:
+        if stale is not None:
+            t.scatter_(2, _state_index(stale, t), new)
+        else:
+            t[:, :, start:end] = new
 
 
-def _move_slot(
-    keys: torch.Tensor, values: torch.Tensor, others: Iterable[torch.Tensor], src: int, dst: torch.Tensor
-) -> None:
+def _move_slot(tensors: Iterable[torch.Tensor], src: int, dst: torch.Tensor) -> None:
     """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h, 0]`` of every slot tensor."""
-    wide = dst[..., None].expand(*dst.shape, keys.shape[-1])  # shared by keys and values
-    for t in (keys, values):
-        t.scatter_(2, wide, t[:, :, src : src + 1].clone())  # the source must not alias the destination
-    for t in others:
-        t.scatter_(2, _state_index(dst, t), t[:, :, src : src + 1].clone())
+    for t in tensors:
+        t.scatter_(2, _state_index(dst, t), t[:, :, src : src + 1].clone())  # the source must not alias the destination

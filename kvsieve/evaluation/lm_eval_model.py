@@ -80,7 +80,7 @@ class KVSieveLM(TemplateLM):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         # typed; fails early on a bad one. ``policy`` may be a spec ("ahakv:sgs=false,schedule=increasing").
-        self.policy, self.policy_kwargs, self.schedule = resolve_spec(policy, policy_kwargs)
+        self.policy, self.policy_kwargs, self.schedule, self.quant = resolve_spec(policy, policy_kwargs)
         self.budget = parse_budget(budget)
         self.protocol = protocol
         if model is None:
@@ -183,6 +183,7 @@ class KVSieveLM(TemplateLM):
             budget,
             stream=self.protocol == "stream",
             schedule=self.schedule,
+            **self.quant,
             **self.policy_kwargs,
         )
 

@@ -3,8 +3,9 @@ in :data:`MODULES` (in the order ``kvsieve policies`` lists them).
 
 Wherever a policy is named (``make_cache``, the CLI's ``--policy``/``--policies``, sweeps, lm-eval's
 ``policy=``), a *policy spec* may carry parameters: ``"ahakv:sgs=false,recent=16"`` is ``ahakv`` with those
-parameters, and the key ``schedule`` sets the layer budget schedule (``"scissorhands:schedule=increasing"``), so
-ablations are named cells of one grid.
+parameters, the key ``schedule`` sets the layer budget schedule (``"scissorhands:schedule=increasing"``) and the
+keys ``kv_bits``, ``group_size``, ``residual`` quantize the slots (``"h2o:kv_bits=4"``, see
+:mod:`kvsieve.engine.quant`), so ablations are named cells of one grid.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kvsieve.engine.quant import QUANT_KEYS
 from kvsieve.engine.schedules import SCHEDULES
 from kvsieve.policies.base import REGISTRY, NoParams, Observation, Policy, Slots
 
@@ -60,20 +62,23 @@ def get_policy(name: str | type[Policy]) -> type[Policy]:
 
 def resolve_spec(
     policy: str | type[Policy], policy_kwargs: dict[str, Any] | None = None, schedule: Any = "uniform"
-) -> tuple[type[Policy], dict[str, Any], Any]:
-    """The policy class, its parameters (typed, checked) and the layer schedule of ``policy`` (a name, a spec or
-    a class) with ``policy_kwargs`` added: a parameter given both ways is an error; a spec's ``schedule`` replaces
-    the default ``schedule``."""
+) -> tuple[type[Policy], dict[str, Any], Any, dict[str, Any]]:
+    """The policy class, its parameters (typed, checked), the layer schedule and the slot quantization's keys
+    (:data:`~kvsieve.engine.quant.QUANT_KEYS`, values as given) of ``policy`` (a name, a spec or a class) with
+    ``policy_kwargs`` added: a key given both ways is an error; a spec's ``schedule`` replaces the default
+    ``schedule``."""
     cls = get_policy(policy)
     from_spec = split_spec(policy)[1] if isinstance(policy, str) else {}
     if "schedule" in from_spec:
         schedule = from_spec.pop("schedule")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown layer schedule {schedule!r} in {policy!r}; available: {', '.join(SCHEDULES)}")
-    twice = sorted(from_spec.keys() & (policy_kwargs or {}).keys())
+    kwargs = dict(policy_kwargs or {})
+    twice = sorted(from_spec.keys() & kwargs.keys())
     if twice:
         raise ValueError(f"policy parameter(s) {', '.join(twice)} given both in {policy!r} and separately")
-    return cls, cls.parse_params(**from_spec, **(policy_kwargs or {})), schedule
+    quant = {key: source.pop(key) for source in (from_spec, kwargs) for key in QUANT_KEYS if key in source}
+    return cls, cls.parse_params(**from_spec, **kwargs), schedule, quant
 
 
 __all__ = [

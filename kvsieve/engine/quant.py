@@ -1,0 +1,241 @@
+"""How a layer's slots hold keys and values: as they are (:data:`PLAIN`), or as packed integer codes
+(:class:`KVQuant`, ``make_cache(..., kv_bits=8|4|2)``).
+
+Quantized slots (the choices, measured in the README's "Quantized slots" section):
+
+- **Per token, in groups of channels.** A slot holds one token, so each token's key and value vectors are quantized
+  on their own, in groups of ``group_size`` consecutive channels, asymmetric (``x ≈ zero + code · scale``). KIVI
+  groups keys per *channel* (a group spans tokens); that does not compose with per-slot eviction: a victim's slot
+  receives the next token, whose key would be coded with the old group's scale (clipped) or the whole group coded
+  again. Per-token groups make every slot independent: eviction, the stale-slot write, gathers and batch operations
+  move codes like any other per-slot tensor.
+- **Codes** are ``uint8``, ``8 / bits`` codes per byte (the first in the low bits); **scale and zero** are float16,
+  one pair per group. The zero (the group minimum) is rounded down and the scale up to float16, so the group's range
+  is covered: every element is within ``scale / 2`` of its dequantized value.
+- **Residual.** The ``residual`` newest positions of each row also keep exact copies (a ring indexed by position
+  modulo ``residual``, in the model's dtype, plus one slot that receives padding): a query at position ``p`` reads
+  the token at ``x`` exactly when ``p - x < residual``, dequantized otherwise. It is a rule by positions, so a
+  step's tokens see one another as if fed one at a time, and streaming a sequence in one pass stays equal to feeding
+  it token by token. Tokens are quantized when stored (once; nothing is coded again later).
+- Policies see the slots as the newest token does (:meth:`~kvsieve.engine.storage.SlotStore.view`): dequantized,
+  the residual exact. A policy's per-slot state computed at storage (``initial_state``, e.g. knorm's key norm) uses
+  the exact key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+BITS = (2, 4, 8)
+KEY_PARTS = ("codes", "scale", "zero")
+QUANT_KEYS = ("kv_bits", "group_size", "residual")
+"""The arguments of :func:`kv_quant` (``make_cache``'s, or keys of a policy spec: ``"h2o:kv_bits=4"``)."""
+
+
+class Codec(Protocol):
+    """How keys and values are held in slot tensors (each ``[B, H, slots, ...]``)."""
+
+    residual: int
+
+    def names(self) -> tuple[str, ...]:
+        """The slot tensors' names."""
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The slot tensors of tokens ``keys``/``values`` ``[B, H, q, D]``."""
+
+    def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, n, D]`` of the first ``n`` slots."""
+
+    def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
+        """The head dimension of the tokens held."""
+
+
+class Plain:
+    """Keys and values held as they are (``keys``, ``values``): decoding is slicing."""
+
+    residual = 0
+
+    def names(self) -> tuple[str, ...]:
+        return ("keys", "values")
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"keys": keys, "values": values}
+
+    def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv["keys"][:, :, :n], kv["values"][:, :, :n]
+
+    def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
+        return kv["keys"].shape[-1]
+
+    def __repr__(self) -> str:
+        return "Plain()"
+
+
+PLAIN = Plain()
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """Quantized slots (see the module docstring): ``bits`` per element, ``group_size`` channels per scale/zero pair,
+    exact copies of the ``residual`` newest positions of each row."""
+
+    bits: int
+    group_size: int = 32
+    residual: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            choices = ", ".join(map(str, BITS))
+            raise ValueError(f"kv_bits must be one of {choices} (or None: not quantized), got {self.bits!r}")
+        for name in ("group_size", "residual"):
+            value = getattr(self, name)
+            low = 1 if name == "group_size" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.group_size % (8 // self.bits):
+            raise ValueError(f"group_size must be a multiple of {8 // self.bits} for {self.bits}-bit codes")
+
+    def check(self, head_dim: int) -> None:
+        """Refuse a head dimension the groups do not divide."""
+        if head_dim % self.group_size:
+            raise ValueError(
+                f"group_size {self.group_size} does not divide the model's head dimension {head_dim}; pick a divisor"
+            )
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"{kind}.{part}" for kind in ("keys", "values") for part in KEY_PARTS)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for kind, x in (("keys", keys), ("values", values)):
+            codes, scale, zero = quantize(x, self.bits, self.group_size)
+            out.update({f"{kind}.codes": codes, f"{kind}.scale": scale, f"{kind}.zero": zero})
+        return out
+
+    def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = (
+            dequantize(*(kv[f"{kind}.{part}"][:, :, :n] for part in KEY_PARTS), self.bits, dtype)
+            for kind in ("keys", "values")
+        )
+        return keys, values
+
+    def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
+        return kv["keys.scale"].shape[-1] * self.group_size
+
+
+def kv_quant(kv_bits: Any = None, group_size: Any = None, residual: Any = None) -> KVQuant | None:
+    """The slot quantization asked for (None: plain slots); values may be text (from a spec or the command line)."""
+    given = {"group_size": group_size, "residual": residual}
+    if kv_bits in (None, "none", "None"):
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(f"{' and '.join(extra)} apply to quantized slots only: give kv_bits too")
+        return None
+    values = {"bits": kv_bits, **{name: value for name, value in given.items() if value is not None}}
+    for name, value in values.items():
+        if isinstance(value, str):
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{'kv_bits' if name == 'bits' else name} must be an integer, got {value!r}") from None
+    return KVQuant(**values)
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., D]`` → packed codes ``[..., D · bits / 8]`` (uint8), scale and zero ``[..., D / group]``
+    (float16): asymmetric, per group of ``group`` consecutive elements (see the module docstring)."""
+    levels = (1 << bits) - 1
+    g = x.float().unflatten(-1, (-1, group))
+    zero = _to_half(g.amin(dim=-1), up=False)
+    spread = (g.amax(dim=-1) - zero.float()) / levels
+    scale = _to_half(spread.clamp(min=torch.finfo(torch.float16).tiny), up=True)
+    codes = ((g - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, levels)
+    return _pack(codes.to(torch.uint8).flatten(-2), bits), scale, zero
+
+
+def dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The values of :func:`quantize`'s output, in ``dtype``."""
+    precision = torch.promote_types(dtype, torch.float32)
+    unpacked = _unpack(codes, bits).to(precision).unflatten(-1, (scale.shape[-1], -1))
+    out = torch.addcmul(zero.to(precision)[..., None], unpacked, scale.to(precision)[..., None])
+    return out.flatten(-2).to(dtype)
+
+
+def _to_half(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """``x`` (float32) in float16, rounded up or down (never to the other side of ``x``)."""
+    half = x.to(torch.float16)
+    wrong = half.float() < x if up else half.float() > x
+    toward = torch.tensor(float("inf") if up else float("-inf"), dtype=torch.float16, device=x.device)
+    return torch.where(wrong, torch.nextafter(half, toward), half)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return codes
+    parts = codes.unflatten(-1, (-1, per)).unbind(-1)
+    packed = parts[0].clone()
+    for i, part in enumerate(parts[1:], start=1):
+        packed |= part << (bits * i)
+    return packed
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+@dataclass
+class Residual:
+    """Exact copies of each row's ``size`` newest tokens, at index ``position mod size`` (padding: index ``size``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    size: int
+
+    @classmethod
+    def empty(cls, keys: torch.Tensor, size: int) -> Residual:
+        """A ring for tokens like ``keys`` ``[B, H, q, D]``."""
+        shape = (*keys.shape[:2], size + 1, keys.shape[-1])
+        return cls(keys.new_zeros(shape), keys.new_zeros(shape), size)
+
+    def _index(self, pos: torch.Tensor, dim: int) -> torch.Tensor:
+        index = torch.where(pos >= 0, pos % self.size, self.size)
+        return index[..., None].expand(*pos.shape, dim)
+
+    def read(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, N, D]`` held for positions ``pos`` ``[B, H, N]`` (meaningful for the newest
+        ``size`` positions of each row only)."""
+        index = self._index(pos, self.keys.shape[-1])
+        return self.keys.gather(2, index), self.values.gather(2, index)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
+        """Hold the newest of tokens ``keys``/``values`` ``[B, H, q, D]`` at positions ``pos`` ``[B, H, q]``."""
+        last = min(pos.shape[-1], self.size)
+        index = self._index(pos[:, :, -last:], keys.shape[-1])
+        self.keys.scatter_(2, index, keys[:, :, -last:])
+        self.values.scatter_(2, index, values[:, :, -last:])
+
+    def map(self, fn: object) -> Residual:
+        return Residual(fn(self.keys), fn(self.values), self.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def recent(pos: torch.Tensor, last: torch.Tensor, residual: int) -> torch.Tensor:
+    """``[B, H, N]`` (for ``last`` ``[B]``) or ``[B, H, q, N]`` (for ``last`` ``[B, q]``, a step's queries): whether
+    the token at ``pos`` ``[B, H, N]`` is read exactly by a query at ``last`` (within the residual)."""
+    if last.dim() == 1:
+        return (pos > (last - residual)[:, None, None]) & (pos >= 0)
+    key = pos[:, :, None, :]
+    return (key > (last - residual)[:, None, :, None]) & (key >= 0)

@@ -1,0 +1,219 @@
+"""Quantized slots (:mod:`kvsieve.engine.quant`): the codes, the bytes, exactness against references, every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvsieve
+from kvsieve.engine.quant import KVQuant, dequantize, kv_quant, quantize, recent
+
+POLICIES = ["h2o", "scissorhands", "ahakv", "streaming_llm", "tova", "snapkv", "knorm", "random", "full"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from([2, 4, 8]),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([4, 8, 16]),
+    spread=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_error_is_within_half_a_step(bits, groups, group, spread, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn((2, 3, 5, groups * group), generator=gen) * spread).float()
+    x[0, 0, 0] = 7.0  # a constant vector: scale floored, exact
+    codes, scale, zero = quantize(x, bits, group)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == groups * group * bits // 8
+    assert scale.dtype == zero.dtype == torch.float16 and scale.shape[-1] == groups
+    back = dequantize(codes, scale, zero, bits, torch.float32)
+    step = scale.float().repeat_interleave(group, dim=-1)
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6 * x.abs()).all()
+    assert torch.equal(back[0, 0, 0], x[0, 0, 0])
+
+
+def test_codes_use_every_level_and_pack_in_order() -> None:
+    x = torch.arange(16, dtype=torch.float32).view(1, 1, 1, 16)
+    codes, scale, zero = quantize(x, 4, 16)
+    assert zero.item() == 0 and scale.item() == 1
+    assert codes.flatten().tolist() == [i | (i + 1) << 4 for i in range(0, 16, 2)]  # the first code in the low bits
+
+
+def _plain_reference(model, ids, policy, budget, residual, bits, group):
+    """Token by token through a plain (float64) cache whose tokens are replaced by their quantize → dequantize round
+    trip once they are ``residual`` positions old: what quantized slots must compute."""
+    cache = kvsieve.make_cache(model, policy, budget)
+    logits = []
+    with torch.inference_mode():
+        for t in range(ids.shape[1]):
+            logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+            aged = t + 1 - residual  # the next query reads the token at `aged` dequantized
+            if aged < 0:
+                continue
+            for layer in cache.layers:
+                store = layer.store
+                at = (store.positions[:, :, : store.used] == aged)[..., None]
+                for name in ("keys", "values"):
+                    held = store.kv[name][:, :, : store.used]
+                    back = dequantize(*quantize(held, bits, group), bits, held.dtype)
+                    held.copy_(torch.where(at, back, held))
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "streaming_llm", "knorm"])
+@pytest.mark.parametrize(("bits", "residual"), [(4, 1), (2, 5), (8, 3)])
+def test_quantized_slots_equal_the_round_tripped_reference(tiny_models, make_ids, policy, bits, residual) -> None:
+    model = tiny_models("llama_gqa", torch.float64)
+    ids = make_ids(2, 40)
+    expected = _plain_reference(model, ids, policy, 12, residual, bits, 8)
+    cache = kvsieve.make_cache(model, policy, 12, kv_bits=bits, group_size=8, residual=residual)
+    with torch.inference_mode():
+        got = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(ids.shape[1])], 1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy) -> None:
+    model = tiny_models("llama_gqa", torch.float64)
+    ids = make_ids(2, 48)
+
+    def run(stream: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = kvsieve.make_cache(model, policy, 14, kv_bits=4, group_size=8, residual=6, stream=stream)
+        with torch.inference_mode():
+            if stream:
+                logits = model(ids, past_key_values=cache).logits
+            else:
+                logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(48)], 1)
+        return logits, [layer.held_positions().sort(dim=-1).values for layer in cache.layers]
+
+    (whole, kept_whole), (steps, kept_steps) = run(True), run(False)
+    torch.testing.assert_close(whole, steps, rtol=0, atol=1e-10)
+    for a, b in zip(kept_whole, kept_steps, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model_name", ["llama_mha", "gemma3"])
+def test_prompt_then_decode_with_padding_matches_unpadded_rows(tiny_models, make_ids, model_name) -> None:
+    """A left-padded batch decodes each row as it would alone (quantized slots hold padding, then evict it)."""
+    model = tiny_models(model_name, torch.float64)
+    long, short = make_ids(1, 30, seed=3), make_ids(1, 22, seed=4)
+    batch = torch.cat([long, torch.cat([torch.zeros((1, 8), dtype=torch.long), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :8] = 0
+
+    def decode(ids, attention_mask, steps=12):
+        cache = kvsieve.make_cache(model, "h2o", 16, kv_bits=4, group_size=8, residual=4)
+        out = []
+        with torch.inference_mode():
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            out.append(model(ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache).logits)
+            for i in range(steps):
+                nxt = torch.full((ids.shape[0], 1), 5 + i)
+                attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
+                positions = attention_mask.sum(-1, keepdim=True) - 1
+                out.append(
+                    model(nxt, attention_mask=attention_mask, position_ids=positions, past_key_values=cache).logits
+                )
+        out[0] = out[0][:, -1:]
+        return torch.cat(out, dim=1)
+
+    together = decode(batch, mask)
+    torch.testing.assert_close(together[:1], decode(long, torch.ones_like(long)), rtol=0, atol=1e-9)
+    torch.testing.assert_close(together[1:], decode(short, torch.ones_like(short)), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize(("bits", "residual"), [(8, 0), (4, 8), (2, 16)])
+def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residual) -> None:
+    model = tiny_models("llama_gqa", torch.float32)
+    budget, group = 20, 8
+    cache = kvsieve.make_cache(model, "h2o", budget, kv_bits=bits, group_size=group, residual=residual)
+    with torch.inference_mode():
+        model(make_ids(2, 50), past_key_values=cache)
+        model(make_ids(2, 1, seed=9), past_key_values=cache)
+    batch, heads, dim = 2, 2, 16
+    per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero
+    ring = (residual + 1) * dim * 4 if residual else 0  # exact fp32 copies (+ the padding slot)
+    predicted = 2 * batch * heads * ((budget + 1) * per_slot + ring)  # keys and values; budget + the spare slot
+    for layer in cache.layers:
+        store = layer.store
+        assert layer.kv_nbytes() == predicted
+        held = sum(t.nbytes for t in store.kv.values()) + (0 if store.residual is None else store.residual.nbytes)
+        assert held == predicted
+    plain = kvsieve.make_cache(model, "h2o", budget)
+    with torch.inference_mode():
+        model(make_ids(2, 50), past_key_values=plain)
+    assert cache.kv_nbytes() < plain.kv_nbytes()
+
+
+def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, make_ids) -> None:
+    model = tiny_models("llama_gqa", torch.float64)
+    seen = []
+    cache = kvsieve.make_cache(model, "ahakv", 10, kv_bits=2, group_size=8, residual=3)
+    layer = cache.layers[1]
+    with torch.inference_mode():
+        model(make_ids(1, 20), past_key_values=cache)
+        policy = layer.policy
+        observe = policy.observe
+
+        def spy(slots, obs):
+            seen.append(slots)
+            return observe(slots, obs)
+
+        policy.observe = spy
+        model(make_ids(1, 1, seed=5), past_key_values=cache)
+    slots = seen[-1]
+    store = layer.store
+    codes = {name: t[:, :, : slots.pos.shape[-1]] for name, t in store.kv.items()}
+    dequantized = dequantize(codes["values.codes"], codes["values.scale"], codes["values.zero"], 2, torch.float64)
+    fresh = recent(slots.pos, slots.last, 3)
+    assert fresh.sum() == 3 * slots.pos.shape[1]  # the 3 newest positions, in every head
+    assert torch.equal(slots.values[~fresh], dequantized[~fresh])
+    assert not torch.equal(slots.values[fresh], dequantized[fresh])  # (2 bits: the exact copies differ)
+
+
+def test_generation_join_and_batch_operations_keep_quantized_rows(tiny_lm) -> None:
+    model, tokenizer = tiny_lm
+    prompts = ["The cat sat on the mat and looked at the door.", "A long way from home, she walked."]
+    together = kvsieve.generate(model, tokenizer, prompts, "h2o:kv_bits=4,group_size=8", 10, max_new_tokens=8)
+    alone = [kvsieve.generate(model, tokenizer, p, "h2o:kv_bits=4,group_size=8", 10, max_new_tokens=8) for p in prompts]
+    assert together.texts == [one.text for one in alone]
+    beams = kvsieve.generate(model, tokenizer, prompts[0], "h2o", 10, 6, {"kv_bits": 8, "group_size": 8}, num_beams=3)
+    assert beams.generated_tokens[0] > 0
+    a, b = (kvsieve.make_cache(model, "h2o", 8, kv_bits=4, group_size=8) for _ in range(2))
+    with torch.inference_mode():
+        for cache, n in ((a, 12), (b, 15)):
+            model(torch.arange(3, 3 + n)[None], past_key_values=cache)
+    a.join(b)
+    assert a.layers[0].held_positions().shape[0] == 2
+    plain = kvsieve.make_cache(model, "h2o", 8)
+    with torch.inference_mode():
+        model(torch.arange(3, 15)[None], past_key_values=plain)
+    with pytest.raises(ValueError, match="quantization"):
+        plain.join(b)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_bits": 3}, "kv_bits must be one of 2, 4, 8"),
+        ({"kv_bits": 4, "group_size": 12}, "does not divide the model's head dimension 16"),
+        ({"kv_bits": 4, "group_size": 0}, "group_size must be an integer >= 1"),
+        ({"kv_bits": 4, "residual": -1}, "residual must be an integer >= 0"),
+        ({"group_size": 8}, "give kv_bits too"),
+        ({"kv_bits": "four"}, "kv_bits must be an integer"),
+    ],
+)
+def test_bad_quantization_is_refused_before_any_work(llama_gqa, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        kvsieve.make_cache(llama_gqa, "h2o", 8, **kwargs)
+
+
+def test_spec_keys_and_arguments(llama_gqa) -> None:
+    from_spec = kvsieve.make_cache(llama_gqa, "h2o:kv_bits=2,group_size=4,residual=0", 8)
+    assert from_spec.codec == KVQuant(2, 4, 0) == kv_quant("2", "4", "0")
+    assert kvsieve.make_cache(llama_gqa, "h2o", 8, kv_bits=8, group_size=16).codec == KVQuant(8, 16, 32)
+    assert kvsieve.make_cache(llama_gqa, "h2o", 8).codec == kvsieve.make_cache(llama_gqa, "h2o:kv_bits=none", 8).codec
+    with pytest.raises(ValueError, match="kv_bits given both"):
+        kvsieve.make_cache(llama_gqa, "h2o:kv_bits=4", 8, kv_bits=4)
