@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 import kvsieve
 from kvsieve.engine.quant import KVQuant, dequantize, kv_quant, quantize, recent
-
-POLICIES = ["h2o", "scissorhands", "ahakv", "streaming_llm", "tova", "snapkv", "knorm", "random", "full"]
+from kvsieve.policies import REGISTRY, Policy, Slots
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,13 +73,41 @@ def test_quantized_slots_equal_the_round_tripped_reference(tiny_models, make_ids
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
 def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy) -> None:
-    model = tiny_models("llama_gqa", torch.float64)
-    ids = make_ids(2, 48)
+    whole, steps = _whole_and_steps(tiny_models("llama_gqa", torch.float64), make_ids(2, 48), policy, bits=4)
+    torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
+    for a, b in zip(whole[1], steps[1], strict=True):
+        assert torch.equal(a, b)
+
+
+class _ValueNorm(Policy):
+    """Keeps the tokens whose values have the lowest norm (ties, e.g. one token id at two positions in the first
+    layer, to the newest): reads ``slots.values`` at every eviction."""
+
+    name = "value_norm"
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return slots.pos * 1e-6 - slots.values.norm(dim=-1)
+
+
+def test_a_policy_reading_slot_values_must_declare_it(tiny_models, make_ids, monkeypatch) -> None:
+    """``Policy.reads_kv``: a scan over quantized slots gives a policy that does not declare it the slots dequantized
+    only (not the residual's exact copies), so its decisions differ from token by token."""
+    model, ids = tiny_models("llama_gqa", torch.float64), make_ids(2, 48)
+    monkeypatch.setattr(_ValueNorm, "reads_kv", True)
+    whole, steps = _whole_and_steps(model, ids, _ValueNorm, bits=2)
+    torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
+    monkeypatch.setattr(_ValueNorm, "reads_kv", False)
+    whole, steps = _whole_and_steps(model, ids, _ValueNorm, bits=2)
+    assert not all(torch.equal(a, b) for a, b in zip(whole[1], steps[1], strict=True))
+
+
+def _whole_and_steps(model, ids, policy, bits):
+    """(logits, kept positions per layer) of one-pass streaming and of token-by-token feeding."""
 
     def run(stream: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = kvsieve.make_cache(model, policy, 14, kv_bits=4, group_size=8, residual=6, stream=stream)
+        cache = kvsieve.make_cache(model, policy, 14, kv_bits=bits, group_size=8, residual=6, stream=stream)
         with torch.inference_mode():
             if stream:
                 logits = model(ids, past_key_values=cache).logits
@@ -88,10 +115,7 @@ def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy)
                 logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(48)], 1)
         return logits, [layer.held_positions().sort(dim=-1).values for layer in cache.layers]
 
-    (whole, kept_whole), (steps, kept_steps) = run(True), run(False)
-    torch.testing.assert_close(whole, steps, rtol=0, atol=1e-10)
-    for a, b in zip(kept_whole, kept_steps, strict=True):
-        assert torch.equal(a, b)
+    return run(True), run(False)
 
 
 @pytest.mark.parametrize("model_name", ["llama_mha", "gemma3"])
