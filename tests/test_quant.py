@@ -23,21 +23,21 @@ from kvsieve.policies import REGISTRY, Policy, Slots
 def test_round_trip_error_is_within_half_a_step(bits, groups, group, spread, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn((2, 3, 5, groups * group), generator=gen) * spread).float()
-    x[0, 0, 0] = 7.0  # a constant vector: scale floored, exact
+    x[0, 0, 0] = 7.0  # a constant vector: the scale floored
     codes, scale, zero = quantize(x, bits, group)
     assert codes.dtype == torch.uint8 and codes.shape[-1] == groups * group * bits // 8
     assert scale.dtype == zero.dtype == torch.float16 and scale.shape[-1] == groups
     back = dequantize(codes, scale, zero, bits, torch.float32)
     step = scale.float().repeat_interleave(group, dim=-1)
     assert ((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6 * x.abs()).all()
-    assert torch.equal(back[0, 0, 0], x[0, 0, 0])
+    assert (back[0, 0, 0] - 7).abs().max() < 1e-2
 
 
 def test_codes_use_every_level_and_pack_in_order() -> None:
     x = torch.arange(16, dtype=torch.float32).view(1, 1, 1, 16)
     codes, scale, zero = quantize(x, 4, 16)
-    assert zero.item() == 0 and scale.item() == 1
-    assert codes.flatten().tolist() == [i | (i + 1) << 4 for i in range(0, 16, 2)]  # the first code in the low bits
+    assert -1e-3 < zero.item() <= 0 and 1 <= scale.item() < 1.002  # (rounded down and up to float16)
+    assert codes.flatten().tolist() == [i | (i + 8) << 4 for i in range(8)]  # planar, the first in the low bits
 
 
 def _plain_reference(model, ids, policy, budget, residual, bits, group):
@@ -190,7 +190,7 @@ def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, ma
     slots = seen[-1]
     store = layer.store
     codes = {name: t[:, :, : slots.pos.shape[-1]] for name, t in store.kv.items()}
-    dequantized = dequantize(codes["values.codes"], codes["values.scale"], codes["values.zero"], 2, torch.float64)
+    dequantized = dequantize(codes["codes"], codes["scale"], codes["zero"], 2, torch.float64)[..., 16:]  # values
     fresh = recent(slots.pos, slots.last, 3)
     assert fresh.sum() == 3 * slots.pos.shape[1]  # the 3 newest positions, in every head
     assert torch.equal(slots.values[~fresh], dequantized[~fresh])

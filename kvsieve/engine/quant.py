@@ -9,9 +9,11 @@ Quantized slots (the choices, measured in the README's "Quantized slots" section
   receives the next token, whose key would be coded with the old group's scale (clipped) or the whole group coded
   again. Per-token groups make every slot independent: eviction, the stale-slot write, gathers and batch operations
   move codes like any other per-slot tensor.
-- **Codes** are ``uint8``, ``8 / bits`` codes per byte (the first in the low bits); **scale and zero** are float16,
-  one pair per group. The zero (the group minimum) is rounded down and the scale up to float16, so the group's range
-  is covered: every element is within ``scale / 2`` of its dequantized value.
+- **Codes** are ``uint8``, ``8 / bits`` codes per byte (planar: byte ``j`` holds elements ``j``, ``j + D·bits/8``,
+  …, the first in the low bits); **scale and zero** are float16, one pair per group. A token's key and value are
+  coded as one vector (one pass for both; groups never straddle them). The zero (the group minimum) is rounded
+  down and the scale up to float16, so the group's range is covered: every element is within ``scale / 2`` of its
+  dequantized value.
 - **Residual.** The ``residual`` newest positions of each row also keep exact copies (a ring indexed by position
   modulo ``residual``, in the model's dtype, plus one slot that receives padding): a query at position ``p`` reads
   the token at ``x`` exactly when ``p - x < residual``, dequantized otherwise. It is a rule by positions, so a
@@ -24,6 +26,7 @@ Quantized slots (the choices, measured in the README's "Quantized slots" section
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,6 +34,8 @@ import torch
 
 BITS = (2, 4, 8)
 KEY_PARTS = ("codes", "scale", "zero")
+"""A quantized store's slot tensors: a token's key and value coded together (``[..., 2·D · bits / 8]`` codes and
+``[..., 2·D / group_size]`` scales and zeros)."""
 QUANT_KEYS = ("kv_bits", "group_size", "residual")
 """The arguments of :func:`kv_quant` (``make_cache``'s, or keys of a policy spec: ``"h2o:kv_bits=4"``)."""
 
@@ -106,24 +111,21 @@ class KVQuant:
             )
 
     def names(self) -> tuple[str, ...]:
-        return tuple(f"{kind}.{part}" for kind in ("keys", "values") for part in KEY_PARTS)
+        return KEY_PARTS
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {}
-        for kind, x in (("keys", keys), ("values", values)):
-            codes, scale, zero = quantize(x, self.bits, self.group_size)
-            out.update({f"{kind}.codes": codes, f"{kind}.scale": scale, f"{kind}.zero": zero})
-        return out
+        # A token's key and value are one vector of 2·D channels (groups never straddle them: D % group == 0), coded
+        # in one pass.
+        return dict(
+            zip(KEY_PARTS, quantize(torch.cat([keys, values], dim=-1), self.bits, self.group_size), strict=True)
+        )
 
     def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = (
-            dequantize(*(kv[f"{kind}.{part}"][:, :, :n] for part in KEY_PARTS), self.bits, dtype)
-            for kind in ("keys", "values")
-        )
-        return keys, values
+        both = dequantize(*(kv[part][:, :, :n] for part in KEY_PARTS), self.bits, dtype)
+        return both.tensor_split(2, dim=-1)
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
-        return kv["keys.scale"].shape[-1] * self.group_size
+        return kv["scale"].shape[-1] * self.group_size // 2
 
 
 def kv_quant(kv_bits: Any = None, group_size: Any = None, residual: Any = None) -> KVQuant | None:
@@ -161,36 +163,38 @@ def dequantize(
 ) -> torch.Tensor:
     """The values of :func:`quantize`'s output, in ``dtype``."""
     precision = torch.promote_types(dtype, torch.float32)
-    unpacked = _unpack(codes, bits).to(precision).unflatten(-1, (scale.shape[-1], -1))
-    out = torch.addcmul(zero.to(precision)[..., None], unpacked, scale.to(precision)[..., None])
-    return out.flatten(-2).to(dtype)
+    out = _unpack(codes, bits, precision)
+    grouped = out.view(*scale.shape, -1)
+    grouped.mul_(scale.to(precision)[..., None]).add_(zero.to(precision)[..., None])
+    return out.to(dtype)
 
 
 def _to_half(x: torch.Tensor, up: bool) -> torch.Tensor:
-    """``x`` (float32) in float16, rounded up or down (never to the other side of ``x``)."""
+    """``x`` (float32) in float16, on the side of ``x`` asked for: the nearest float16, moved one step that way
+    (one step coarser at most; two operations instead of a comparison and a choice)."""
     half = x.to(torch.float16)
-    wrong = half.float() < x if up else half.float() > x
-    toward = torch.tensor(float("inf") if up else float("-inf"), dtype=torch.float16, device=x.device)
-    return torch.where(wrong, torch.nextafter(half, toward), half)
+    return torch.nextafter(half, half.new_tensor(float("inf") if up else float("-inf")))
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    if per == 1:
-        return codes
-    parts = codes.unflatten(-1, (-1, per)).unbind(-1)
+    """Planar: with ``p = 8 / bits`` codes per byte, byte ``j`` holds the codes of elements ``j``, ``j + D/p``, …
+    (the first in the low bits), so unpacking writes ``p`` contiguous runs."""
+    parts = codes.tensor_split(8 // bits, dim=-1)
     packed = parts[0].clone()
     for i, part in enumerate(parts[1:], start=1):
         packed |= part << (bits * i)
     return packed
 
 
-def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    if per == 1:
-        return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+def _unpack(packed: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The codes of :func:`_pack`'s bytes, as ``dtype``."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    width = packed.shape[-1]
+    out = packed.new_empty((*packed.shape[:-1], width * per), dtype=dtype)
+    for i in range(per):
+        shifted = packed >> (bits * i) if i else packed
+        out[..., i * width : (i + 1) * width] = shifted & mask if i < per - 1 else shifted
+    return out
 
 
 @dataclass
@@ -200,6 +204,12 @@ class Residual:
     keys: torch.Tensor
     values: torch.Tensor
     size: int
+    first_rows: torch.Tensor | None = None
+    """``[B, H, 1]``: the first row of each (batch row, head)'s ring in the flattened tensors."""
+
+    def __post_init__(self) -> None:
+        bsz, heads, slots = self.keys.shape[:3]
+        self.first_rows = torch.arange(0, bsz * heads * slots, slots, device=self.keys.device).view(bsz, heads, 1)
 
     @classmethod
     def empty(cls, keys: torch.Tensor, size: int) -> Residual:
@@ -207,25 +217,26 @@ class Residual:
         shape = (*keys.shape[:2], size + 1, keys.shape[-1])
         return cls(keys.new_zeros(shape), keys.new_zeros(shape), size)
 
-    def _index(self, pos: torch.Tensor, dim: int) -> torch.Tensor:
-        index = torch.where(pos >= 0, pos % self.size, self.size)
-        return index[..., None].expand(*pos.shape, dim)
+    def _rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """The rows of the ring (flattened over batch and heads) holding positions ``pos`` ``[B, H, n]``."""
+        return torch.where(pos >= 0, pos % self.size, self.size).add_(self.first_rows).flatten()
 
     def read(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, N, D]`` held for positions ``pos`` ``[B, H, N]`` (meaningful for the newest
         ``size`` positions of each row only)."""
-        index = self._index(pos, self.keys.shape[-1])
-        return self.keys.gather(2, index), self.values.gather(2, index)
+        rows, shape = self._rows(pos), (*pos.shape, self.keys.shape[-1])
+        return tuple(t.flatten(0, 2).index_select(0, rows).view(shape) for t in (self.keys, self.values))
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
         """Hold the newest of tokens ``keys``/``values`` ``[B, H, q, D]`` at positions ``pos`` ``[B, H, q]``."""
         last = min(pos.shape[-1], self.size)
-        index = self._index(pos[:, :, -last:], keys.shape[-1])
-        self.keys.scatter_(2, index, keys[:, :, -last:])
-        self.values.scatter_(2, index, values[:, :, -last:])
+        rows = self._rows(pos[:, :, -last:])
+        for ring, new in ((self.keys, keys), (self.values, values)):
+            ring.flatten(0, 2).index_copy_(0, rows, new[:, :, -last:].flatten(0, 2))
 
-    def map(self, fn: object) -> Residual:
-        return Residual(fn(self.keys), fn(self.values), self.size)
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Residual:
+        """The ring with ``fn`` (a batch operation, a copy) applied to its tensors."""
+        return Residual(fn(self.keys).contiguous(), fn(self.values).contiguous(), self.size)
 
     @property
     def nbytes(self) -> int:
