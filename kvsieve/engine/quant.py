@@ -19,6 +19,11 @@ Quantized slots (the choices, measured in the README's "Quantized slots" section
   the token at ``x`` exactly when ``p - x < residual``, dequantized otherwise. It is a rule by positions, so a
   step's tokens see one another as if fed one at a time, and streaming a sequence in one pass stays equal to feeding
   it token by token. Tokens are quantized when stored (once; nothing is coded again later).
+- **Defaults** (``group_size=32``, ``residual=16``), measured on SmolLM2-135M (fp32), h2o at 20 % of 1,024 tokens of
+  Wikipedia, one-pass streaming perplexity (unquantized 20.01): 4-bit 20.67 without a residual, 19.98 with 16,
+  20.04 with 32, 19.94 with 128; groups of 64 channels: 20.59 (residual 16), 20.36 (32); 8-bit 20.00 (groups of 64,
+  no residual). 2-bit is where per-token keys fail (KIVI's finding): 159.7 without a residual, 37.4 with 32, 25.2
+  with 128.
 - Policies see the slots as the newest token does (:meth:`~kvsieve.engine.storage.SlotStore.view`): dequantized,
   the residual exact. A policy's per-slot state computed at storage (``initial_state``, e.g. knorm's key norm) uses
   the exact key.
@@ -89,7 +94,7 @@ class KVQuant:
 
     bits: int
     group_size: int = 32
-    residual: int = 32
+    residual: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in BITS:
