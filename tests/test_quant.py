@@ -237,7 +237,7 @@ def test_bad_quantization_is_refused_before_any_work(llama_gqa, kwargs, message)
 def test_spec_keys_and_arguments(llama_gqa) -> None:
     from_spec = kvsieve.make_cache(llama_gqa, "h2o:kv_bits=2,group_size=4,residual=0", 8)
     assert from_spec.codec == KVQuant(2, 4, 0) == kv_quant("2", "4", "0")
-    assert kvsieve.make_cache(llama_gqa, "h2o", 8, kv_bits=8, group_size=16).codec == KVQuant(8, 16, 32)
+    assert kvsieve.make_cache(llama_gqa, "h2o", 8, kv_bits=8, group_size=16).codec == KVQuant(8, 16, 16)
     assert kvsieve.make_cache(llama_gqa, "h2o", 8).codec == kvsieve.make_cache(llama_gqa, "h2o:kv_bits=none", 8).codec
     with pytest.raises(ValueError, match="kv_bits given both"):
         kvsieve.make_cache(llama_gqa, "h2o:kv_bits=4", 8, kv_bits=4)

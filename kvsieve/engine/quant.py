@@ -121,16 +121,26 @@ class KVQuant:
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         # A token's key and value are one vector of 2·D channels (groups never straddle them: D % group == 0), coded
         # in one pass.
-        return dict(
-            zip(KEY_PARTS, quantize(torch.cat([keys, values], dim=-1), self.bits, self.group_size), strict=True)
-        )
+        return self.encode_both(torch.cat([keys, values], dim=-1))
+
+    def encode_both(self, both: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The slot tensors of tokens whose keys and values are ``both`` ``[B, H, q, 2·D]``."""
+        return dict(zip(KEY_PARTS, quantize(both, self.bits, self.group_size), strict=True))
 
     def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        both = dequantize(*(kv[part][:, :, :n] for part in KEY_PARTS), self.bits, dtype)
-        return both.tensor_split(2, dim=-1)
+        return split(self.decode_both(kv, n, dtype))
+
+    def decode_both(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Keys and values of the first ``n`` slots as one ``[B, H, n, 2·D]`` tensor."""
+        return dequantize(*(kv[part][:, :, :n] for part in KEY_PARTS), self.bits, dtype)
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         return kv["scale"].shape[-1] * self.group_size // 2
+
+
+def split(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (views) of ``both`` ``[..., 2·D]``."""
+    return both.tensor_split(2, dim=-1)
 
 
 def kv_quant(kv_bits: Any = None, group_size: Any = None, residual: Any = None) -> KVQuant | None:
@@ -204,48 +214,44 @@ def _unpack(packed: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor
 
 @dataclass
 class Residual:
-    """Exact copies of each row's ``size`` newest tokens, at index ``position mod size`` (padding: index ``size``)."""
+    """Exact copies of each row's ``size`` newest tokens (keys and values as one ``[B, H, size + 1, 2·D]`` tensor), at
+    index ``position mod size`` (padding: index ``size``)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    kv: torch.Tensor
     size: int
     first_rows: torch.Tensor | None = None
-    """``[B, H, 1]``: the first row of each (batch row, head)'s ring in the flattened tensors."""
+    """``[B, H, 1]``: the first row of each (batch row, head)'s ring in the flattened tensor."""
 
     def __post_init__(self) -> None:
-        bsz, heads, slots = self.keys.shape[:3]
-        self.first_rows = torch.arange(0, bsz * heads * slots, slots, device=self.keys.device).view(bsz, heads, 1)
+        bsz, heads, slots = self.kv.shape[:3]
+        self.first_rows = torch.arange(0, bsz * heads * slots, slots, device=self.kv.device).view(bsz, heads, 1)
 
     @classmethod
-    def empty(cls, keys: torch.Tensor, size: int) -> Residual:
-        """A ring for tokens like ``keys`` ``[B, H, q, D]``."""
-        shape = (*keys.shape[:2], size + 1, keys.shape[-1])
-        return cls(keys.new_zeros(shape), keys.new_zeros(shape), size)
+    def empty(cls, both: torch.Tensor, size: int) -> Residual:
+        """A ring for tokens like ``both`` ``[B, H, q, 2·D]``."""
+        return cls(both.new_zeros((*both.shape[:2], size + 1, both.shape[-1])), size)
 
     def _rows(self, pos: torch.Tensor) -> torch.Tensor:
         """The rows of the ring (flattened over batch and heads) holding positions ``pos`` ``[B, H, n]``."""
         return torch.where(pos >= 0, pos % self.size, self.size).add_(self.first_rows).flatten()
 
-    def read(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, N, D]`` held for positions ``pos`` ``[B, H, N]`` (meaningful for the newest
+    def read(self, pos: torch.Tensor) -> torch.Tensor:
+        """Keys and values ``[B, H, N, 2·D]`` held for positions ``pos`` ``[B, H, N]`` (meaningful for the newest
         ``size`` positions of each row only)."""
-        rows, shape = self._rows(pos), (*pos.shape, self.keys.shape[-1])
-        return tuple(t.flatten(0, 2).index_select(0, rows).view(shape) for t in (self.keys, self.values))
+        return self.kv.flatten(0, 2).index_select(0, self._rows(pos)).view(*pos.shape, -1)
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> None:
-        """Hold the newest of tokens ``keys``/``values`` ``[B, H, q, D]`` at positions ``pos`` ``[B, H, q]``."""
+    def write(self, both: torch.Tensor, pos: torch.Tensor) -> None:
+        """Hold the newest of tokens ``both`` ``[B, H, q, 2·D]`` at positions ``pos`` ``[B, H, q]``."""
         last = min(pos.shape[-1], self.size)
-        rows = self._rows(pos[:, :, -last:])
-        for ring, new in ((self.keys, keys), (self.values, values)):
-            ring.flatten(0, 2).index_copy_(0, rows, new[:, :, -last:].flatten(0, 2))
+        self.kv.flatten(0, 2).index_copy_(0, self._rows(pos[:, :, -last:]), both[:, :, -last:].flatten(0, 2))
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Residual:
-        """The ring with ``fn`` (a batch operation, a copy) applied to its tensors."""
-        return Residual(fn(self.keys).contiguous(), fn(self.values).contiguous(), self.size)
+        """The ring with ``fn`` (a batch operation, a copy) applied to its tensor."""
+        return Residual(fn(self.kv).contiguous(), self.size)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.kv.nbytes
 
 
 def recent(pos: torch.Tensor, last: torch.Tensor, residual: int) -> torch.Tensor:

@@ -121,7 +121,7 @@ class _RunKV:
         self.keys, self.values = (store.kv["keys"], store.kv["values"]) if step is None else (step.keys, step.values)
         self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
         self.band = None
-        if step is not None and step.exact_keys is not None:
+        if step is not None and step.exact is not None:
             self.exact_keys, self.exact_values = step.exact_keys, step.exact_values
             self.band = recent(store.positions[:, :, :n], query_pos, store.codec.residual)  # [B, H, c, N]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvsieve.engine.quant import PLAIN, Codec, Residual, recent
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, recent, split
 from kvsieve.policies import Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
@@ -24,12 +24,27 @@ StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 @dataclass
 class StepKV:
     """The slots in use during a step of a quantized store, decoded once: dequantized, and exact where the residual
-    (or the step's own tokens) gives them (elsewhere: meaningless), each ``[B, H, used, D]``."""
+    (or the step's own tokens) gives them (elsewhere: meaningless); keys and values as one ``[B, H, used, 2·D]``
+    tensor each."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    exact_keys: torch.Tensor | None
-    exact_values: torch.Tensor | None
+    both: torch.Tensor
+    exact: torch.Tensor | None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return split(self.both)[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return split(self.both)[1]
+
+    @property
+    def exact_keys(self) -> torch.Tensor | None:
+        return None if self.exact is None else split(self.exact)[0]
+
+    @property
+    def exact_values(self) -> torch.Tensor | None:
+        return None if self.exact is None else split(self.exact)[1]
 
 
 @dataclass
@@ -71,7 +86,7 @@ class SlotStore:
             },
             limit=limit,
             codec=codec,
-            residual=Residual.empty(keys, codec.residual) if codec.residual else None,
+            residual=Residual.empty(torch.cat([keys, values], dim=-1), codec.residual) if codec.residual else None,
             dtype=keys.dtype,
         )
 
@@ -87,7 +102,7 @@ class SlotStore:
 
     @property
     def quantized(self) -> bool:
-        return self.codec is not PLAIN
+        return isinstance(self.codec, KVQuant)  # (a deep copy of a cache copies PLAIN too)
 
     @property
     def head_dim(self) -> int:
@@ -102,12 +117,11 @@ class SlotStore:
         each row's newest position. Quantized slots are seen as by the newest token: exact within the residual."""
         if self.step is None:
             keys, values = self.decoded()
-        elif self.step.exact_keys is None:
+        elif self.step.exact is None:
             keys, values = self.step.keys, self.step.values
         else:
             exact = recent(self.positions[:, :, : self.used], last, self.codec.residual)[..., None]
-            keys = torch.where(exact, self.step.exact_keys, self.step.keys)
-            values = torch.where(exact, self.step.exact_values, self.step.values)
+            keys, values = split(torch.where(exact, self.step.exact, self.step.both))
         return Slots(self.positions, self.state, last, keys, values).prefix(self.used)
 
     def append(
@@ -119,7 +133,8 @@ class SlotStore:
         stale = self.stale
         if stale is None:
             self.reserve(self.used + keys.shape[2])
-        entries = self.codec.encode(keys, values)
+        both = torch.cat([keys, values], dim=-1) if self.quantized else None
+        entries = self.codec.encode(keys, values) if both is None else self.codec.encode_both(both)
         pairs = [
             (self.positions, positions),
             *((t, initial.get(name, 0)) for name, t in self.state.items()),
@@ -130,14 +145,13 @@ class SlotStore:
             self.used += keys.shape[2]
         _put(pairs, stale, start, self.used)
         self.stale = None
-        if self.quantized:
-            dequantized = self.decoded()
+        if both is not None:
             exact = None
             if self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
                 exact = self.residual.read(self.positions[:, :, : self.used])
-                _put(list(zip(exact, (keys, values), strict=True)), stale, start, self.used)
-                self.residual.write(keys, values, positions)
-            self.step = StepKV(*dequantized, *(exact or (None, None)))
+                _put([(exact, both)], stale, start, self.used)
+                self.residual.write(both, positions)
+            self.step = StepKV(self.codec.decode_both(self.kv, self.used, self.dtype), exact)
         return start
 
     def release(self) -> None:
@@ -223,11 +237,7 @@ class SlotStore:
             codec=first.codec,
             residual=None
             if first.residual is None
-            else Residual(
-                torch.cat([store.residual.keys for store in stores]),
-                torch.cat([store.residual.values for store in stores]),
-                first.residual.size,
-            ),
+            else Residual(torch.cat([store.residual.kv for store in stores]), first.residual.size),
             dtype=first.dtype,
         )
 
