@@ -16,7 +16,7 @@ from kvsieve.cli import main
 from kvsieve.data import builtin_text
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
 from kvsieve.evaluation.needle import answer, build_prompt, run_needle, split_question
-from kvsieve.evaluation.sweep import Settings, run_sweep
+from kvsieve.evaluation.sweep import Runner, Settings, run_sweep
 
 BUDGET = 24
 REQUESTS = [
@@ -187,3 +187,21 @@ def test_cli_question_flags_are_checked_before_a_model_loads(capsys, tmp_path) -
     assert err.count("\n") == 1 and "needs the prefill protocol" in err
     assert main(["xsum", "--question", "agnostic", "--json"]) == 2
     assert "needs the prefill protocol" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_sweep_computes_its_cells_in_the_settings_question_mode(tiny_lm, tmp_path, monkeypatch) -> None:
+    made: list[str] = []
+
+    class Recorder:
+        def __init__(self, **kwargs: object) -> None:
+            made.append(str(kwargs["question"]))
+
+    monkeypatch.setattr("kvsieve.evaluation.lm_eval_model.KVSieveLM", Recorder)
+    monkeypatch.setattr(Runner, "loaded", property(lambda self: tiny_lm))
+    monkeypatch.setattr(Runner, "_lm_eval", lambda self, lm, name: {"acc": 0.5, "acc_norm": 0.5, "n": 1})
+    for question in ("agnostic", "aware", "agnostic"):
+        settings = Settings(protocol="prefill", question=question)
+        run_sweep(tmp_path, ["social_iqa"], ["h2o"], [0.2], settings=settings, progress=False)
+    assert made == ["agnostic", "aware", "agnostic"]  # another mode is another result
+    (cell,) = (tmp_path / "cells").glob("*.json")
+    assert json.loads(cell.read_text())["settings"]["question"] == "agnostic"
