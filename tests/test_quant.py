@@ -157,7 +157,7 @@ def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residu
         model(make_ids(2, 50), past_key_values=cache)
         model(make_ids(2, 1, seed=9), past_key_values=cache)
     batch, heads, dim = 2, 2, 16
-    per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero
+    per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero (key and value alike)
     ring = (residual + 1) * dim * 4 if residual else 0  # exact fp32 copies (+ the padding slot)
     predicted = 2 * batch * heads * ((budget + 1) * per_slot + ring)  # keys and values; budget + the spare slot
     for layer in cache.layers:
@@ -189,8 +189,7 @@ def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, ma
         model(make_ids(1, 1, seed=5), past_key_values=cache)
     slots = seen[-1]
     store = layer.store
-    codes = {name: t[:, :, : slots.pos.shape[-1]] for name, t in store.kv.items()}
-    dequantized = dequantize(codes["codes"], codes["scale"], codes["zero"], 2, torch.float64)[..., 16:]  # values
+    dequantized = store.codec.decode(store.kv, slots.pos.shape[-1], torch.float64)[1]
     fresh = recent(slots.pos, slots.last, 3)
     assert fresh.sum() == 3 * slots.pos.shape[1]  # the 3 newest positions, in every head
     assert torch.equal(slots.values[~fresh], dequantized[~fresh])

@@ -38,9 +38,10 @@ from typing import Any, Protocol
 import torch
 
 BITS = (2, 4, 8)
-KEY_PARTS = ("codes", "scale", "zero")
-"""A quantized store's slot tensors: a token's key and value coded together (``[..., 2·D · bits / 8]`` codes and
-``[..., 2·D / group_size]`` scales and zeros)."""
+TOWARD = {  # (what float16 values are rounded toward)
+    "up": torch.tensor(float("inf"), dtype=torch.float16),
+    "down": torch.tensor(float("-inf"), dtype=torch.float16),
+}
 QUANT_KEYS = ("kv_bits", "group_size", "residual")
 """The arguments of :func:`kv_quant` (``make_cache``'s, or keys of a policy spec: ``"h2o:kv_bits=4"``)."""
 
@@ -116,7 +117,7 @@ class KVQuant:
             )
 
     def names(self) -> tuple[str, ...]:
-        return KEY_PARTS
+        return ("codes",)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         # A token's key and value are one vector of 2·D channels (groups never straddle them: D % group == 0), coded
@@ -124,18 +125,25 @@ class KVQuant:
         return self.encode_both(torch.cat([keys, values], dim=-1))
 
     def encode_both(self, both: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The slot tensors of tokens whose keys and values are ``both`` ``[B, H, q, 2·D]``."""
-        return dict(zip(KEY_PARTS, quantize(both, self.bits, self.group_size), strict=True))
+        """The slot tensor of tokens whose keys and values are ``both`` ``[B, H, q, 2·D]``: one row of bytes per
+        token, its packed codes, then its float16 scales, then its zeros (one tensor: one write per step)."""
+        codes, scale, zero = quantize(both, self.bits, self.group_size)
+        return {"codes": torch.cat([codes, scale.view(torch.uint8), zero.view(torch.uint8)], dim=-1)}
 
     def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return split(self.decode_both(kv, n, dtype))
 
     def decode_both(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
         """Keys and values of the first ``n`` slots as one ``[B, H, n, 2·D]`` tensor."""
-        return dequantize(*(kv[part][:, :, :n] for part in KEY_PARTS), self.bits, dtype)
+        row = kv["codes"][:, :, :n]
+        width = row.shape[-1] * 8 * self.group_size // (self.bits * self.group_size + 32)  # (2·D)
+        end = width * self.bits // 8
+        scales = row[..., end:].view(torch.float16)  # (2·D / group_size scales, then as many zeros)
+        scale, zero = scales.tensor_split(2, dim=-1)
+        return dequantize(row[..., :end], scale, zero, self.bits, dtype)
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
-        return kv["scale"].shape[-1] * self.group_size // 2
+        return kv["codes"].shape[-1] * 4 * self.group_size // (self.bits * self.group_size + 32)
 
 
 def split(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,10 +174,11 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     (float16): asymmetric, per group of ``group`` consecutive elements (see the module docstring)."""
     levels = (1 << bits) - 1
     g = x.float().unflatten(-1, (-1, group))
-    zero = _to_half(g.amin(dim=-1), up=False)
-    spread = (g.amax(dim=-1) - zero.float()) / levels
-    scale = _to_half(spread.clamp(min=torch.finfo(torch.float16).tiny), up=True)
-    codes = ((g - zero.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, levels)
+    low, high = torch.aminmax(g, dim=-1)
+    zero = _to_half(low, up=False)
+    zero_f = zero.float()
+    scale = _to_half(high.sub_(zero_f).div_(levels), up=True)  # (> 0: a constant group gets the least float16)
+    codes = g.sub(zero_f[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, levels)
     return _pack(codes.to(torch.uint8).flatten(-2), bits), scale, zero
 
 
@@ -187,8 +196,7 @@ def dequantize(
 def _to_half(x: torch.Tensor, up: bool) -> torch.Tensor:
     """``x`` (float32) in float16, on the side of ``x`` asked for: the nearest float16, moved one step that way
     (one step coarser at most; two operations instead of a comparison and a choice)."""
-    half = x.to(torch.float16)
-    return torch.nextafter(half, half.new_tensor(float("inf") if up else float("-inf")))
+    return torch.nextafter(x.to(torch.float16), TOWARD["up" if up else "down"].to(x.device))
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -239,6 +247,14 @@ class Residual:
         """Keys and values ``[B, H, N, 2·D]`` held for positions ``pos`` ``[B, H, N]`` (meaningful for the newest
         ``size`` positions of each row only)."""
         return self.kv.flatten(0, 2).index_select(0, self._rows(pos)).view(*pos.shape, -1)
+
+    def restore_exact(self, decoded: torch.Tensor, pos: torch.Tensor, last: torch.Tensor) -> None:
+        """In place: the rows of ``decoded`` ``[B, H, N, 2·D]`` (contiguous; slots at positions ``pos`` ``[B, H, N]``)
+        that a query at ``last`` ``[B]`` reads exactly (:func:`recent`) get their exact copies."""
+        slots = pos.shape[-1]
+        rows = recent(pos, last, self.size).flatten().nonzero().squeeze(1)
+        ring_rows = torch.div(rows, slots, rounding_mode="floor") * (self.size + 1) + pos.flatten()[rows] % self.size
+        decoded.view(-1, decoded.shape[-1]).index_copy_(0, rows, self.kv.flatten(0, 2).index_select(0, ring_rows))
 
     def write(self, both: torch.Tensor, pos: torch.Tensor) -> None:
         """Hold the newest of tokens ``both`` ``[B, H, q, 2·D]`` at positions ``pos`` ``[B, H, q]``."""

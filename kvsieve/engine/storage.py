@@ -125,11 +125,18 @@ class SlotStore:
         return Slots(self.positions, self.state, last, keys, values).prefix(self.used)
 
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, initial: dict[str, torch.Tensor]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        initial: dict[str, torch.Tensor],
+        newest: torch.Tensor | None = None,
     ) -> int | None:
         """Store ``q`` new tokens (``keys``/``values`` ``[B, H, q, D]``, ``positions`` ``[B, H, q]``, ``initial``
         state): a single token takes the stale slot (None is returned), else they go at the end (the slot of the
-        first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`)."""
+        first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`); a single
+        token is the step's only query, so its slots are decoded as it reads them (``newest``: each row's newest
+        position after it, ``[B]``)."""
         stale = self.stale
         if stale is None:
             self.reserve(self.used + keys.shape[2])
@@ -146,12 +153,15 @@ class SlotStore:
         _put(pairs, stale, start, self.used)
         self.stale = None
         if both is not None:
-            exact = None
-            if self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
-                exact = self.residual.read(self.positions[:, :, : self.used])
+            decoded, exact, pos = self.codec.decode_both(self.kv, self.used, self.dtype), None, self.positions
+            if self.residual is not None and newest is not None and keys.shape[2] == 1:
+                self.residual.write(both, positions)  # (safe first: it replaces a position no query reads now)
+                self.residual.restore_exact(decoded, pos[:, :, : self.used], newest)
+            elif self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
+                exact = self.residual.read(pos[:, :, : self.used])
                 _put([(exact, both)], stale, start, self.used)
                 self.residual.write(both, positions)
-            self.step = StepKV(self.codec.decode_both(self.kv, self.used, self.dtype), exact)
+            self.step = StepKV(decoded, exact)
         return start
 
     def release(self) -> None:
