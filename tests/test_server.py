@@ -36,7 +36,7 @@ MIXED = [
     ("h2o", 0.5, {"recent": 3}),
     ("streaming_llm", 10, {"sink": 2}),
     ("scissorhands", 14, {}),
-    ("local", 8, {}),
+    ("h2o", 12, {"kv_bits": 4, "group_size": 8}),  # (h2o at 12 above, unquantized: never in one batch)
     ("full", None, {}),
     ("tova", 0.4, {}),
     ("knorm", 16, {}),
@@ -183,6 +183,8 @@ def test_text_stream_holds_back_a_possible_stop_string(tokenizer) -> None:
         ("llama_gqa", "full", None, 80),  # grows twice
         ("llama_mha", "scissorhands", 0.5, 20),
         ("gemma3", "streaming_llm", 12, 20),  # sliding layers keep their own window
+        ("llama_gqa", "h2o:kv_bits=4,group_size=8,residual=4", 8, 30),  # quantized slots
+        ("llama_mha", "full:kv_bits=2,group_size=4", None, 20),
     ],
 )
 def test_reservation_is_what_the_cache_holds(tiny_models, make_ids, model_name, policy, budget, tokens) -> None:

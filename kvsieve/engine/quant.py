@@ -63,6 +63,12 @@ class Codec(Protocol):
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         """The head dimension of the tokens held."""
 
+    def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one slot's key and value (one KV head)."""
+
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes held per (batch row, KV head) whatever the slots (the residual's exact copies)."""
+
 
 class Plain:
     """Keys and values held as they are (``keys``, ``values``): decoding is slicing."""
@@ -80,6 +86,12 @@ class Plain:
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         return kv["keys"].shape[-1]
+
+    def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * head_dim * dtype.itemsize
+
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 0
 
     def __repr__(self) -> str:
         return "Plain()"
@@ -144,6 +156,12 @@ class KVQuant:
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         return kv["codes"].shape[-1] * 4 * self.group_size // (self.bits * self.group_size + 32)
+
+    def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * head_dim * self.bits // 8 + 2 * (2 * head_dim // self.group_size) * 2  # codes, fp16 scales, zeros
+
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return (self.residual + 1) * 2 * head_dim * dtype.itemsize if self.residual else 0
 
 
 def split(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
