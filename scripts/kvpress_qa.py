@@ -18,8 +18,8 @@ Each method keeps 20 % of the context part (template included): kvpress's ``comp
 ``int(n·0.2)`` tokens, kvsieve gets that many. kvsieve's settings are those that reproduce kvpress's rule
 (``snapkv:window=64,kernel=5``: kvpress's observation window and pooling kernel; ``knorm:recent=0``: nothing
 protected); ``full`` (kvsieve) against the pipeline without a press is the uncompressed reference. Per method: passkey
-accuracy on each side, and over all questions the share of identical answers (stripped text) and of identical first
-answer tokens.
+accuracy on each side, and over all questions the share of identical answers (stripped text), of identical first
+answer tokens, and the mean number of leading answer tokens both sides share.
 """
 
 from __future__ import annotations
@@ -207,14 +207,21 @@ def ask_both(
     return record
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def agreement(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Shares of the questions both sides answered with the same (stripped) text, and with the same first token."""
+    """Shares of the questions both sides answered with the same (stripped) text and with the same first token, and
+    the mean number of leading answer tokens they share."""
     if not records:
         raise ValueError("no answers to compare")
     pairs = [(r["kvsieve"], r["kvpress"]) for r in records]
     return {
         "same_answer": statistics.fmean(a["answer"] == b["answer"] for a, b in pairs),
         "same_first_token": statistics.fmean(a["tokens"][:1] == b["tokens"][:1] for a, b in pairs),
+        "common_prefix": statistics.fmean(common_prefix(a["tokens"], b["tokens"]) for a, b in pairs),
     }
 
 
@@ -237,7 +244,15 @@ def summarize(records: Sequence[dict[str, Any]], methods: Sequence[str]) -> list
     return rows
 
 
-COLUMNS = ("kvsieve", "kvpress", "passkey found (kvsieve / kvpress)", "same answer", "same 1st token", "same ids")
+COLUMNS = (
+    "kvsieve",
+    "kvpress",
+    "passkey found (kvsieve / kvpress)",
+    "same answer",
+    "same 1st token",
+    "same leading tokens (mean)",
+    "same ids",
+)
 
 
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -246,7 +261,8 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     for row in rows:
         found = " / ".join(f"{row['passkey'][side]['correct']}/{row['passkey'][side]['of']}" for side in SIDES)
         same = [f"{row[key]:.0%} of {row['questions']}" for key in ("same_answer", "same_first_token")]
-        cells.append([row["method"], row["press"], found, *same, "yes" if row["same_ids"] else "no"])
+        prefix = f"{row['common_prefix']:.1f}"
+        cells.append([row["method"], row["press"], found, *same, prefix, "yes" if row["same_ids"] else "no"])
     return cells
 
 

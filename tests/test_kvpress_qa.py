@@ -40,8 +40,9 @@ RECORDS = [
 
 
 def test_agreement_counts_identical_answers_and_first_tokens():
-    assert qa_driver.agreement(RECORDS[:4]) == {"same_answer": 0.25, "same_first_token": 0.75}
-    assert qa_driver.agreement(RECORDS[4:]) == {"same_answer": 1.0, "same_first_token": 1.0}
+    assert qa_driver.agreement(RECORDS[:4]) == {"same_answer": 0.25, "same_first_token": 0.75, "common_prefix": 1.0}
+    assert qa_driver.agreement(RECORDS[4:]) == {"same_answer": 1.0, "same_first_token": 1.0, "common_prefix": 1.0}
+    assert [qa_driver.common_prefix(*p) for p in [([1, 2, 3], [1, 2, 4]), ([1], [1, 2]), ([], [5])]] == [2, 1, 0]
     with pytest.raises(ValueError, match="no answers"):
         qa_driver.agreement([])
 
@@ -54,8 +55,8 @@ def test_summary_and_table_per_method():
     assert (tova["questions"], tova["same_answer"], tova["same_first_token"]) == (4, 0.25, 0.75)
     assert tova["einstein"] == {"kvsieve": ["Ulm, 1879"], "kvpress": ["Bern"]} and full["einstein"]["kvsieve"] == []
     md = qa_driver.markdown_table(rows).splitlines()
-    assert md[2] == "| `tova` | TOVAPress | 2/3 / 1/3 | 25% of 4 | 75% of 4 | yes |"
-    assert md[3] == "| `full` | DynamicCache | 0/1 / 0/1 | 100% of 1 | 100% of 1 | yes |"
+    assert md[2] == "| `tova` | TOVAPress | 2/3 / 1/3 | 25% of 4 | 75% of 4 | 1.0 | yes |"
+    assert md[3] == "| `full` | DynamicCache | 0/1 / 0/1 | 100% of 1 | 100% of 1 | 1.0 | yes |"
     assert md[-1] == "- `tova`: kvsieve “Ulm, 1879” · kvpress “Bern”"
 
 
