@@ -66,3 +66,9 @@ def test_passkey_found_is_the_first_number():
     assert passkey_found("The pass key is 12345.", 12345)
     assert not passkey_found("2. The pass key is 12345", 12345)
     assert not passkey_found("no number", 12345) and not passkey_found("123456", 12345)
+
+
+def test_each_grid_point_is_a_cell_of_its_trials_even_when_repeated(tiny_lm):
+    model, tok = tiny_lm
+    cells = run_needle(model, tok, builtin_text(min_chars=20000), [100], [0.5, 0.5], 2, "full", progress=False)
+    assert [(c.depth, c.trials, len(c.answers)) for c in cells] == [(0.5, 2, 2), (0.5, 2, 2)]

@@ -121,8 +121,9 @@ def run_needle(
     cells = []
     total = len(lengths) * len(depths) * trials
     with tqdm(total=total, desc=f"needle {policy} ({question})", disable=not progress, leave=False) as bar:
-        for length, depth, key, prompt in passkey_prompts(tokenizer, haystack, lengths, depths, trials, seed):
-            if not cells or (cells[-1].length, cells[-1].depth) != (length, depth):
+        grid = passkey_prompts(tokenizer, haystack, lengths, depths, trials, seed)
+        for i, (length, depth, key, prompt) in enumerate(grid):
+            if i % trials == 0:
                 cells.append(NeedleCell(length, depth, trials, 0, []))
             with torch.inference_mode():
                 text = answer(model, tokenizer, prompt, policy, budget, question, **policy_kwargs)
