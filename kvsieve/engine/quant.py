@@ -23,7 +23,10 @@ Quantized slots (the choices, measured in the README's "Quantized slots" section
   Wikipedia, one-pass streaming perplexity (unquantized 20.01): 4-bit 20.67 without a residual, 19.98 with 16,
   20.04 with 32, 19.94 with 128; groups of 64 channels: 20.59 (residual 16), 20.36 (32); 8-bit 20.00 (groups of 64,
   no residual). 2-bit is where per-token keys fail (KIVI's finding): 159.7 without a residual, 37.4 with 32, 25.2
-  with 128.
+  with 128. Measured and not kept: dividing each key channel by a calibrated scale before coding (the channel's
+  absolute maximum over 512 tokens of another article, shared by each RoPE pair of channels; KIVI's per-channel
+  remedy in a form that composes with eviction): 2-bit / residual 32 149.4 (scale^0.5: 33.8), 2-bit without a
+  residual 417.3 (111.7), 4-bit without a residual 21.45 (20.92) — small gains at 2 bits, losses at 4.
 - Policies see the slots as the newest token does (:meth:`~kvsieve.engine.storage.SlotStore.view`): dequantized,
   the residual exact. A policy's per-slot state computed at storage (``initial_state``, e.g. knorm's key norm) uses
   the exact key.
