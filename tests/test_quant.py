@@ -81,6 +81,22 @@ def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy)
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(("bits", "residual"), [(4, 4), (2, 1)])
+def test_a_prompt_then_single_tokens_equals_token_by_token(tiny_models, make_ids, bits, residual) -> None:
+    """Without eviction, a prompt in one pass and single tokens after it read what token-by-token feeding reads: the
+    prompt's tokens coded at once, the single tokens' codes deferred (Residual.coded) and made from the ring."""
+    model, ids = tiny_models("llama_gqa", torch.float64), make_ids(2, 50)
+
+    def run(prompt: int) -> torch.Tensor:
+        cache = kvsieve.make_cache(model, "full", None, kv_bits=bits, group_size=8, residual=residual)
+        with torch.inference_mode():
+            out = [model(ids[:, :prompt], past_key_values=cache).logits]
+            out += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(prompt, ids.shape[1])]
+        return torch.cat(out, dim=1)
+
+    torch.testing.assert_close(run(30), run(1), rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
 def test_rolled_positions_stream_exactly(tiny_models, make_ids, policy) -> None:
     whole, steps = _whole_and_steps(tiny_models("llama_gqa", torch.float64), make_ids(2, 40), policy, 4, rolling=True)
@@ -175,6 +191,7 @@ def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residu
     per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero (key and value alike)
     ring = (residual + 1) * dim * 4 if residual else 0  # exact fp32 copies (+ the padding slot)
     predicted = 2 * batch * heads * ((budget + 1) * per_slot + ring)  # keys and values; budget + the spare slot
+    predicted += batch * 8 if residual else 0  # (the residual's mark: where tokens without codes begin)
     for layer in cache.layers:
         store = layer.store
         assert layer.kv_nbytes() == predicted

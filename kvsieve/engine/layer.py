@@ -244,6 +244,7 @@ class SieveLayer(CacheLayerMixin):
         if self.store is None:
             raise ValueError(f"layer {self.layer_idx} holds nothing yet")
         store = self.store
+        store.code_pending()  # (saved codes are complete: a restored layer starts with every token coded)
         if store.stale is not None:
             store = store.copy()
             store.compact()
@@ -289,7 +290,9 @@ class SieveLayer(CacheLayerMixin):
             used=positions.shape[2],
             may_hold_padding=bool(counters["may_hold_padding"]),
             codec=codec,
-            residual=Residual(tensors["residual"], codec.residual) if residual else None,
+            residual=Residual(tensors["residual"], codec.residual, positions.amax(dim=(1, 2)).add(1).clamp(min=0))
+            if residual
+            else None,
             dtype=self.dtype,
         )
         self.newest = tensors["newest"]

@@ -69,8 +69,8 @@ class Codec(Protocol):
     def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of one slot's key and value (one KV head)."""
 
-    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes held per (batch row, KV head) whatever the slots (the residual's exact copies)."""
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype, kv_heads: int) -> int:
+        """Bytes held per batch row whatever the slots (the residual's exact copies and its mark)."""
 
 
 class Plain:
@@ -93,7 +93,7 @@ class Plain:
     def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * head_dim * dtype.itemsize
 
-    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype, kv_heads: int) -> int:
         return 0
 
     def __repr__(self) -> str:
@@ -163,8 +163,10 @@ class KVQuant:
     def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * head_dim * self.bits // 8 + 2 * (2 * head_dim // self.group_size) * 2  # codes, fp16 scales, zeros
 
-    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
-        return (self.residual + 1) * 2 * head_dim * dtype.itemsize if self.residual else 0
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype, kv_heads: int) -> int:
+        if not self.residual:
+            return 0
+        return kv_heads * (self.residual + 1) * 2 * head_dim * dtype.itemsize + torch.long.itemsize  # (+ the mark)
 
 
 def split(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,30 +246,36 @@ def _unpack(packed: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor
 @dataclass
 class Residual:
     """Exact copies of each row's ``size`` newest tokens (keys and values as one ``[B, H, size + 1, 2·D]`` tensor), at
-    index ``position mod size`` (padding: index ``size``)."""
+    index ``position mod size`` (padding: index ``size``). Single-token steps store their token without codes: it is
+    coded from here once older tokens are due (:meth:`~kvsieve.engine.storage.SlotStore.code_pending`), ``size``
+    tokens at a time."""
 
     kv: torch.Tensor
     size: int
+    coded: torch.Tensor | None = None
+    """``[B]``: each row's tokens at positions from ``coded`` on may be held without codes."""
     first_rows: torch.Tensor | None = None
     """``[B, H, 1]``: the first row of each (batch row, head)'s ring in the flattened tensor."""
 
     def __post_init__(self) -> None:
         bsz, heads, slots = self.kv.shape[:3]
         self.first_rows = torch.arange(0, bsz * heads * slots, slots, device=self.kv.device).view(bsz, heads, 1)
+        if self.coded is None:
+            self.coded = torch.zeros(bsz, dtype=torch.long, device=self.kv.device)
 
     @classmethod
     def empty(cls, both: torch.Tensor, size: int) -> Residual:
         """A ring for tokens like ``both`` ``[B, H, q, 2·D]``."""
         return cls(both.new_zeros((*both.shape[:2], size + 1, both.shape[-1])), size)
 
-    def _rows(self, pos: torch.Tensor) -> torch.Tensor:
+    def rows(self, pos: torch.Tensor) -> torch.Tensor:
         """The rows of the ring (flattened over batch and heads) holding positions ``pos`` ``[B, H, n]``."""
         return torch.where(pos >= 0, pos % self.size, self.size).add_(self.first_rows).flatten()
 
     def read(self, pos: torch.Tensor) -> torch.Tensor:
         """Keys and values ``[B, H, N, 2·D]`` held for positions ``pos`` ``[B, H, N]`` (meaningful for the newest
         ``size`` positions of each row only)."""
-        return self.kv.flatten(0, 2).index_select(0, self._rows(pos)).view(*pos.shape, -1)
+        return self.kv.flatten(0, 2).index_select(0, self.rows(pos)).view(*pos.shape, -1)
 
     def restore_exact(self, decoded: torch.Tensor, pos: torch.Tensor, last: torch.Tensor) -> None:
         """In place: the rows of ``decoded`` ``[B, H, N, 2·D]`` (contiguous; slots at positions ``pos`` ``[B, H, N]``)
@@ -280,15 +288,15 @@ class Residual:
     def write(self, both: torch.Tensor, pos: torch.Tensor) -> None:
         """Hold the newest of tokens ``both`` ``[B, H, q, 2·D]`` at positions ``pos`` ``[B, H, q]``."""
         last = min(pos.shape[-1], self.size)
-        self.kv.flatten(0, 2).index_copy_(0, self._rows(pos[:, :, -last:]), both[:, :, -last:].flatten(0, 2))
+        self.kv.flatten(0, 2).index_copy_(0, self.rows(pos[:, :, -last:]), both[:, :, -last:].flatten(0, 2))
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Residual:
         """The ring with ``fn`` (a batch operation, a copy) applied to its tensor."""
-        return Residual(fn(self.kv).contiguous(), self.size)
+        return Residual(fn(self.kv).contiguous(), self.size, fn(self.coded))
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.nbytes + self.coded.nbytes
 
 
 def recent(pos: torch.Tensor, last: torch.Tensor, residual: int) -> torch.Tensor:

@@ -113,6 +113,7 @@ class SlotStore:
 
     def decoded(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, n, D]`` of the first ``n`` slots (default: those in use), dequantized."""
+        self.code_pending()
         return self.codec.decode(self.kv, self.used if n is None else n, self.dtype)
 
     def view(self, last: torch.Tensor) -> Slots:
@@ -140,15 +141,24 @@ class SlotStore:
         first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`); a single
         token is the step's only query, so its slots are decoded as it reads them (``newest``: each row's newest
         position after it, ``[B]``)."""
-        stale = self.stale
+        stale, ring = self.stale, self.residual
         if stale is None:
             self.reserve(self.used + keys.shape[2])
         both = torch.cat([keys, values], dim=-1) if self.quantized else None
-        entries = self.codec.encode(keys, values) if both is None else self.codec.encode_both(both)
+        single = ring is not None and newest is not None and keys.shape[2] == 1
+        if single:  # the token is read exactly for `residual` steps: coded later, with others (code_pending)
+            new = positions[:, 0, 0]
+            due = (new >= 0) & (ring.coded <= new - ring.size)
+            if bool(due.any()):  # (the oldest token without codes leaves the residual now)
+                self.code_pending(torch.where(new >= 0, new, ring.coded))
+            entries = {}
+        else:
+            self.code_pending()  # (a step of several tokens reads the older ones dequantized)
+            entries = self.codec.encode(keys, values) if both is None else self.codec.encode_both(both)
         pairs = [
             (self.positions, positions),
             *((t, initial.get(name, 0)) for name, t in self.state.items()),
-            *((self.kv[name], entries[name]) for name in self.kv),
+            *((self.kv[name], entries[name]) for name in entries),
         ]
         start = None if stale is not None else self.used
         if stale is None:
@@ -157,15 +167,32 @@ class SlotStore:
         self.stale = None
         if both is not None:
             decoded, exact, pos = self.codec.decode_both(self.kv, self.used, self.dtype), None, self.positions
-            if self.residual is not None and newest is not None and keys.shape[2] == 1:
-                self.residual.write(both, positions)  # (safe first: it replaces a position no query reads now)
-                self.residual.restore_exact(decoded, pos[:, :, : self.used], newest)
-            elif self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
-                exact = self.residual.read(pos[:, :, : self.used])
+            if single:
+                ring.write(both, positions)  # (safe first: it replaces a position no query reads now)
+                ring.restore_exact(decoded, pos[:, :, : self.used], newest)  # (the tokens without codes among them)
+            elif ring is not None:  # exact: the ring before this step's tokens, and the tokens themselves
+                exact = ring.read(pos[:, :, : self.used])
                 _put([(exact, both)], stale, start, self.used)
-                self.residual.write(both, positions)
+                ring.write(both, positions)
+                ring.coded = torch.maximum(ring.coded, positions[:, 0].amax(dim=-1) + 1)  # (coded above)
             self.step = StepKV(decoded, exact)
         return start
+
+    def code_pending(self, upto: torch.Tensor | None = None) -> None:
+        """Quantized slots with a residual: code, from their exact copies, the held tokens that single-token steps
+        stored without codes (positions from ``residual.coded``), up to position ``upto`` ``[B]`` (exclusive;
+        default: all). Codes depend on the token alone, so when this runs changes nothing that is read."""
+        ring = self.residual
+        if ring is None:
+            return
+        with torch.inference_mode():  # (also when a saved context is exported: codes are never differentiated)
+            pos, held = self.positions[:, :, : self.used], self.kv["codes"][:, :, : self.used]
+            if upto is None:  # (every held token: those to come are newer than the newest held)
+                upto = pos.amax(dim=(1, 2)).add_(1).clamp_(min=0) if self.used else ring.coded
+            pending = (pos >= ring.coded[:, None, None]) & (pos < upto[:, None, None])
+            coded = self.codec.encode_both(ring.kv)["codes"].flatten(0, 2).index_select(0, ring.rows(pos))
+            held.copy_(torch.where(pending[..., None], coded.view_as(held), held))
+            ring.coded = torch.maximum(ring.coded, upto)
 
     def release(self) -> None:
         """The step is over: drop its decoded slots."""
@@ -250,7 +277,11 @@ class SlotStore:
             codec=first.codec,
             residual=None
             if first.residual is None
-            else Residual(torch.cat([store.residual.kv for store in stores]), first.residual.size),
+            else Residual(
+                torch.cat([store.residual.kv for store in stores]),
+                first.residual.size,
+                torch.cat([store.residual.coded for store in stores]),
+            ),
             dtype=first.dtype,
         )
 

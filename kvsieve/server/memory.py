@@ -53,7 +53,7 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
     policies = cache.plan.resolve(prompt_tokens)
     kv_heads, head_dim = kv_geometry(model)
     kv_bytes = cache.codec.slot_bytes(head_dim, model.dtype)
-    fixed_bytes = kv_heads * cache.codec.fixed_bytes(head_dim, model.dtype)
+    fixed_bytes = cache.codec.fixed_bytes(head_dim, model.dtype, kv_heads)
     fed = prompt_tokens + max_tokens - 1
     steady, transient, fixed = 0, 0, True
     for policy in policies:
