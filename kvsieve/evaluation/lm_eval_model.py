@@ -12,7 +12,9 @@ protocol=stream --tasks kvsieve_social_iqa --limit 10`` (every argument is lm-ev
 
 Model arguments: ``pretrained`` (built-in name, local directory or HF id), ``policy``, ``budget`` (a ratio of each
 request's length, e.g. ``0.2`` or ``20%``, or a token count such as ``64``; write ``1.0`` for 100 %),
-``protocol``, ``batch_size``, ``dtype``; any other argument is a policy parameter (``recent=16``). The device
+``protocol``, ``batch_size``, ``dtype``; ``kv_bits`` (8, 4 or 2), ``group_size`` and ``residual`` quantize the slots
+(:mod:`kvsieve.engine.quant`; also as keys of a ``policy`` spec); any other argument is a policy parameter
+(``recent=16``). The device
 comes from lm-eval's ``--device`` (its default ``cuda:0`` falls back to the CPU when there is no GPU).
 
 Budgets follow the H2O protocol: a ratio is resolved per request, ``round(ratio · (context + continuation))``
@@ -26,7 +28,8 @@ Protocols:
   predicted by the full-attention pass, so one-token answers (Yes/No, correct/incorrect) score exactly as under
   ``full``: use ``stream`` for multiple-choice tasks; ``prefill`` suits generation (decoding under eviction).
 
-Requests whose budget can never be exceeded are computed with the ``full`` cache (the same result, faster).
+Requests whose budget can never be exceeded are computed with the ``full`` cache (the same result, faster; its
+slots quantized alike).
 Requests with equal budgets are batched (left padding; positions are per-row real-token indices), and requests
 that share their context (the choices of a multiple-choice question) share its computation: the context is fed
 once and the cache rows are copied for each continuation, which gives the same logits.
@@ -48,6 +51,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, parse_budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
+from kvsieve.engine.quant import kv_quant
 from kvsieve.evaluation.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_GEN_TOKS, DEFAULT_MODEL, PROTOCOLS
 from kvsieve.policies import resolve_spec
 
@@ -81,6 +85,7 @@ class KVSieveLM(TemplateLM):
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         # typed; fails early on a bad one. ``policy`` may be a spec ("ahakv:sgs=false,schedule=increasing").
         self.policy, self.policy_kwargs, self.schedule, self.quant = resolve_spec(policy, policy_kwargs)
+        kv_quant(**self.quant)
         self.budget = parse_budget(budget)
         self.protocol = protocol
         if model is None:
@@ -174,9 +179,10 @@ class KVSieveLM(TemplateLM):
         return tokens if tokens < length - 1 else None
 
     def _cache(self, budget: int | None) -> SieveCache:
-        """A cache for requests under ``budget`` (None: the full cache); streamed under the ``stream`` protocol."""
+        """A cache for requests under ``budget`` (None: the full cache, its slots quantized all the same when
+        ``kv_bits`` is set); streamed under the ``stream`` protocol."""
         if budget is None:
-            return make_cache(self.model, "full", None)
+            return make_cache(self.model, "full", None, **self.quant)
         return make_cache(
             self.model,
             self.policy,
