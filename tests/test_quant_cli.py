@@ -8,8 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvsieve.api import make_cache
 from kvsieve.benchmarks import profile
+from kvsieve.benchmarks.memory import quantized_kv_bytes
 from kvsieve.cli import main
 from kvsieve.engine.quant import KVQuant
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
@@ -111,14 +114,34 @@ def test_generate_holds_the_real_bytes_of_quantized_slots(capsys, tiny_dir) -> N
     quant = _json(capsys, *common, "--kv-bits", "4", *TINY, "--kv-residual", "4")
     assert plain["policy"] == "h2o" and quant["policy"] == "h2o:kv_bits=4,group_size=8,residual=4"
     assert quant["generated_tokens"] == plain["generated_tokens"] == 6
-    # 3 layers × 2 KV heads of 16 channels; plain fp32 keys and values → the slots allocated.
-    rows = 3 * 2
-    slots = plain["kv_bytes"] // (rows * 16 * 4 * 2)
-    assert slots >= 8 and plain["kv_bytes"] == rows * slots * 16 * 4 * 2
-    codes = slots * 16 * 4 // 8 * 2  # 4-bit codes, keys and values
-    scales = slots * (16 // 8) * 2 * 2 * 2  # float16 scale and zero per group of 8, keys and values
-    ring = (4 + 1) * 16 * 4 * 2  # the residual's exact fp32 copies (+1 for padding), keys and values
-    assert quant["kv_bytes"] == rows * (codes + scales + ring)
+    slots = _slots(plain["kv_bytes"])
+    assert slots >= 8 and quant["kv_bytes"] == _quant_bytes(slots, 4, residual=4)
+
+
+def _slots(plain_bytes: int) -> int:
+    """The slots per row a plain cache of the tiny Llama allocated (3 layers × 2 KV heads × 16 fp32 channels)."""
+    slots, rest = divmod(plain_bytes, 3 * 2 * 16 * 4 * 2)
+    assert not rest
+    return slots
+
+
+def _quant_bytes(slots: int, bits: int, residual: int = 32) -> int:
+    """The tiny Llama's quantized K/V bytes, written out: codes, float16 scale/zero per group of 8, the fp32 ring."""
+    codes = slots * 16 * bits // 8
+    scales = slots * (16 // 8) * 2 * 2
+    ring = (residual + 1) * 16 * 4 if residual else 0
+    return 3 * 2 * 2 * (codes + scales + ring)
+
+
+@pytest.mark.parametrize(("bits", "residual"), [(8, 0), (4, 32), (2, 5)])
+def test_predicted_bytes_equal_the_cache(tiny_lm, make_ids, bits, residual) -> None:
+    model, _ = tiny_lm
+    cache = make_cache(model, "h2o", 16, kv_bits=bits, group_size=8, residual=residual)
+    with torch.inference_mode():
+        model(make_ids(2, 40), past_key_values=cache)
+    slots = max(cache.capacities())
+    predicted = quantized_kv_bytes(model, slots, bits, group_size=8, residual=residual, batch=2)
+    assert cache.kv_nbytes() == predicted == 2 * _quant_bytes(slots, bits, residual)
 
 
 def test_ppl_flag_equals_the_spec_and_differs_from_plain(capsys, tiny_dir) -> None:
@@ -162,6 +185,7 @@ def test_bench_checks_quantized_cells_against_the_floor_apart(capsys, tiny_dir) 
     assert set(cells) == {"dynamic_full", "floor", "h2o", "h2o:kv_bits=4,group_size=8"}
     quant = cells["h2o:kv_bits=4,group_size=8"]
     assert quant["budget_tokens"] == 512 and quant["ratios"]["vs_floor"]["step_ms_p50"] > 0
+    assert quant["kv_bytes"] == _quant_bytes(_slots(cells["h2o"]["kv_bytes"]), 4)  # real bytes, not dequantized
     checks = {c["check"].split(" (")[0]: c for c in out["checks"]}
     assert "kv_bits=4" in checks["decode step of quantized slots"]["measured"]
     assert checks["decode step of quantized slots"]["passed"] is not None

@@ -176,8 +176,11 @@ def measure(model: PreTrainedModel, policy: str, budget_tokens: int, ids: torch.
 
 
 def _held_bytes(cache: Cache) -> tuple[int, int]:
-    """Key/value bytes and policy-state bytes (positions included) the cache holds."""
-    return kv_nbytes(cache), cache.state_nbytes() if isinstance(cache, SieveCache) else 0
+    """Key/value bytes (a kvsieve cache's own count: codes, scales and residual when quantized) and policy-state
+    bytes (positions included) the cache holds."""
+    if isinstance(cache, SieveCache):
+        return cache.kv_nbytes(), cache.state_nbytes()
+    return kv_nbytes(cache), 0
 
 
 @dataclass
