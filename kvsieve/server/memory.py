@@ -2,11 +2,12 @@
 
 A request runs alone in its own :class:`~kvsieve.engine.cache.SieveCache` (batch 1). Each layer allocates slots
 of ``kv_heads × (2 × head_dim × dtype bytes + 8 + policy state bytes)``: the keys and values, the slot's original
-position (int64) and the policy's per-slot state. The slot count follows the engine's growth rule
-(:func:`~kvsieve.engine.storage.grown_capacity`): a bounded layer never holds more than ``budget + 1`` slots
-between steps; an unbounded one (``full``) grows with the tokens fed. The prefill of a prompt longer than a bounded
-layer's slots holds the prompt in one layer at a time, until that layer's eviction gathers it into ``budget + 1``
-slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends.
+position (int64) and the policy's per-slot state; quantized slots (``kv_bits``) hold packed codes and float16
+scale/zero pairs instead of the keys and values, and each layer the residual's exact copies. The slot count follows
+the engine's growth rule (:func:`~kvsieve.engine.storage.grown_capacity`): a bounded layer never holds more than
+``budget + 1`` slots between steps; an unbounded one (``full``) grows with the tokens fed. The prefill of a prompt
+longer than a bounded layer's slots holds the prompt in one layer at a time, until that layer's eviction gathers it
+into ``budget + 1`` slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvsieve.engine.cache import SieveCache
+from kvsieve.engine.quant import KVQuant
 from kvsieve.engine.storage import grown_capacity
 
 POSITION_BYTES = torch.empty((), dtype=torch.long).element_size()
@@ -50,7 +52,11 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
     ``max_tokens`` generated tokens (the last one is never fed back)."""
     policies = cache.plan.resolve(prompt_tokens)
     kv_heads, head_dim = kv_geometry(model)
-    kv_bytes = 2 * head_dim * model.dtype.itemsize
+    kv_bytes, ring = 2 * head_dim * model.dtype.itemsize, 0
+    if isinstance(cache.codec, KVQuant):  # codes and float16 scale/zero per slot; the residual's ring per layer
+        quant = cache.codec
+        kv_bytes = 2 * (head_dim * quant.bits // 8 + head_dim // quant.group_size * 2 * 2)
+        ring = 2 * kv_heads * (quant.residual + 1) * head_dim * model.dtype.itemsize if quant.residual else 0
     fed = prompt_tokens + max_tokens - 1
     steady, transient, fixed = 0, 0, True
     for policy in policies:
@@ -58,11 +64,11 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
         slot = kv_heads * (kv_bytes + POSITION_BYTES + state)
         limit = policy.budget + 1 if policy.bounded else math.inf
         capacity = final_capacity(prompt_tokens, fed, limit)
-        steady += capacity * slot + POSITION_BYTES  # (+ the row's newest position)
+        steady += capacity * slot + POSITION_BYTES + ring  # (+ the row's newest position)
         fixed &= capacity == limit
         if prompt_tokens > limit:
             transient = max(transient, prompt_tokens * slot)
-    layout = repr((cache.plan.layer_policies, cache.budgets, cache.rolling))
+    layout = repr((cache.plan.layer_policies, cache.budgets, cache.rolling, cache.codec))
     return Reservation(steady=steady, peak=steady + transient, layout=layout, fixed=fixed)
 
 
