@@ -4,8 +4,10 @@ cache (a tiny local model), kept by sweeps at 100 %, bench and lm-eval's model a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -209,3 +211,41 @@ def test_lm_eval_model_arguments_quantize_every_cache(tiny_lm) -> None:
     assert full._cache(None).codec == KVQuant(2, 8)
     with pytest.raises(ValueError, match="kv_bits must be one of 2, 4, 8"):
         KVSieveLM(model=model, tokenizer=tokenizer, policy="h2o", kv_bits="3")
+
+
+# -- the measurement scripts' own parts -------------------------------------------------------------------------------
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quanto_bytes_are_codes_scale_and_shift() -> None:
+    side = _script("quantized_cache_side_by_side")
+    layer = side.MeasuredQuantoLayer(nbits=4, q_group_size=32, residual_length=32, axis_key=0, axis_value=0)
+    x = torch.randn(1, 3, 64, 64)
+    keys, values = layer._quantize(x, 0), layer._quantize(2 * x, 0)
+    groups = x.numel() // 32
+    one = x.numel() // 2 + groups * 4 * 2  # 4-bit codes; float32 scale and shift per group of 32
+    assert side.tensor_nbytes(keys) == side.tensor_nbytes(values) == one
+    assert layer.nbytes() == 2 * one  # (no exact window yet)
+    assert (keys.dequantize() - x).abs().max() < (x.amax() - x.amin()) / 15
+
+
+def test_grid_table_and_claim() -> None:
+    grid = _script("quant_grid")
+    ppl = {("full", 1.0): 20.0, ("full:kv_bits=4", 1.0): 20.2, ("h2o", 0.2): 21.0, ("h2o:kv_bits=4", 0.2): 21.3}
+    rows = [{"policy": p, "budget": b, "ppl": v} for (p, b), v in ppl.items()]
+    table = grid.grid_tables(rows, ["h2o"], [0.2], [4])
+    assert table == {("full", 1.0): {None: 20.0, 4: 20.2}, ("h2o", 0.2): {None: 21.0, 4: 21.3}}
+    assert "| h2o | 20% | 21.000 | 21.300 (+1.4 %) |" in grid.markdown_grid(table, [4], 512)
+    assert grid.claim(table).endswith("21.300 vs 21.000 (+1.43 %): holds")
+    table["h2o", 0.2][4] = 21.5
+    assert grid.claim(table).endswith("(+2.38 %): does NOT hold")
+    del table["h2o", 0.2]
+    assert grid.claim(table).endswith("not measured")
