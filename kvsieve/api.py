@@ -51,7 +51,7 @@ def make_cache(
     ``decode_budget`` tokens per layer (tokens or a ratio of the prompt, at least ``budget``; ``None``: unbounded
     growth, i.e. prefill-only compression; default ``"budget"``: the cache never grows). ``kv_bits`` (8, 4 or 2;
     default None: as the model computes them) stores keys and values as packed codes, ``group_size`` channels per
-    float16 scale/zero (default 32), the ``residual`` newest tokens of each row also exactly (default 32; see
+    float16 scale/zero (default 32), the ``residual`` newest tokens of each row also exactly (default 16; see
     :mod:`kvsieve.engine.quant`); any policy. Switches the model to kvsieve's attention implementation (see
     :func:`use_kvsieve_attention`).
     """

@@ -7,7 +7,8 @@ the blank line) is the **context part**: compressed once, by the first forward p
 :class:`~kvsieve.engine.cache.SieveCache`. The question and everything after it (the end of the user turn, the
 assistant's header) is the **question part**, fed to a copy of the compressed cache. Each part is tokenized on its
 own, so no token spans the boundary. A tokenizer without a chat template gets ``context + "\\n\\n"`` and
-``question + "\\n"``.
+``question + "\\n"``; ``chat_template=False`` takes the context and the question as given, nothing added (a plain
+completion prompt, e.g. the passkey grid's).
 
 **Answers** decode greedily from a copy of the compressed cache (``copy.deepcopy``): the context is never compressed
 again and no question changes it. Several questions are decoded together from rows of one copy
@@ -54,8 +55,10 @@ _MARKER = "\x1fkvsieve-question\x1f"
 _HEADER_KEY = "kvsieve_context"
 
 
-def split_prompt(tokenizer: PreTrainedTokenizerBase, context: str) -> tuple[str, str]:
+def split_prompt(tokenizer: PreTrainedTokenizerBase, context: str, chat_template: bool = True) -> tuple[str, str]:
     """The prompt's context part and its question part with ``{question}`` (see the module docstring)."""
+    if not chat_template:
+        return context, "{question}"
     if not tokenizer.chat_template:
         return context + SEPARATOR, "{question}\n"
     messages = [{"role": "user", "content": context + SEPARATOR + _MARKER}]
@@ -186,11 +189,13 @@ def compress(
     decode_budget: DecodeBudget = None,
     schedule: str | Sequence[float] = "uniform",
     rolling: bool = False,
+    chat_template: bool = True,
     **policy_kwargs: Any,
 ) -> ContextQA:
     """Compress ``context`` to ``budget`` (tokens, or a ratio of the context part's tokens) before any question is
     known; ask it questions with :meth:`ContextQA.ask`. ``decode_budget``: how far a question's copy may grow (default
-    None: without bound); the other arguments are :func:`kvsieve.make_cache`'s."""
+    None: without bound); ``chat_template=False``: the context and each question as given, no template and nothing
+    between them (see the module docstring); the other arguments are :func:`kvsieve.make_cache`'s."""
     if not isinstance(context, str) or not context.strip():
         raise ValueError("the context must be a non-empty string")
     cls, params, schedule, quant = resolve_spec(policy, policy_kwargs, schedule)
@@ -204,8 +209,8 @@ def compress(
         "quant": quant,
     }
     cache = _make(model, spec)
-    context_text, question_template = split_prompt(tokenizer, context)
-    special = not tokenizer.chat_template  # (a template writes its own special tokens)
+    context_text, question_template = split_prompt(tokenizer, context, chat_template)
+    special = not (chat_template and tokenizer.chat_template)  # (a template writes its own special tokens)
     ids = tokenizer(context_text, add_special_tokens=special, return_tensors="pt")["input_ids"].to(model.device)
     cache.resolve(ids.shape[1])  # (invalid budgets fail before any work)
     with torch.inference_mode():

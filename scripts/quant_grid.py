@@ -13,6 +13,7 @@ zeros + the residual's exact copies, for the slots allocated) and against the fu
 float16 and float32.
 
     python scripts/quant_grid.py [--out out/quant-grid] [--ppl-tokens 512] [--budgets 0.2 0.1] [--bits 8 4 2]
+        [--residual N]   # (given: a key of every quantized spec; else the engine's default, not in the cell names)
 """
 
 from __future__ import annotations
@@ -32,16 +33,21 @@ CLAIM = ("h2o", 0.2, 4, 0.02)
 """(policy, budget, bits, tolerance): h2o 20 % + 4-bit within 2 % of h2o 20 % unquantized."""
 
 
-def spec(policy: str, bits: int | None) -> str:
-    return policy if bits is None else f"{policy}:kv_bits={bits}"
+def spec(policy: str, bits: int | None, residual: int | None = None) -> str:
+    """``policy`` with ``kv_bits`` (and ``residual`` when given; else the engine's default) as spec keys."""
+    if bits is None:
+        return policy
+    return f"{policy}:kv_bits={bits}" + ("" if residual is None else f",residual={residual}")
 
 
-def grid_tables(rows: list[dict[str, Any]], policies: list[str], budgets: list[float], bits: list[int]) -> dict:
+def grid_tables(
+    rows: list[dict[str, Any]], policies: list[str], budgets: list[float], bits: list[int], residual: int | None = None
+) -> dict:
     """Perplexity by (policy, budget) × bit width (None: unquantized), from the sweep's rows."""
     ppl = {(r["policy"], r["budget"]): r.get("ppl") for r in rows}
     table: dict[tuple[str, float], dict[int | None, float | None]] = {}
     for policy, budget in [("full", 1.0), *((p, b) for p in policies for b in budgets)]:
-        table[policy, budget] = {b: ppl.get((spec(policy, b), budget)) for b in [None, *bits]}
+        table[policy, budget] = {b: ppl.get((spec(policy, b, residual), budget)) for b in [None, *bits]}
     return table
 
 
@@ -106,7 +112,7 @@ def plot_grid(table: dict, bits: list[int], budgets: list[float], path: Path) ->
 
 
 @torch.inference_mode()
-def bytes_rows(lengths: list[int], bits: list[int], budget: float) -> list[dict[str, Any]]:
+def bytes_rows(lengths: list[int], bits: list[int], budget: float, residual: int | None) -> list[dict[str, Any]]:
     """Measured vs predicted K/V bytes of h2o at ``budget`` of each length, and the full caches' bytes."""
     import kvsieve
     from kvsieve.benchmarks.memory import full_kv_bytes_per_token, quantized_kv_bytes
@@ -118,15 +124,16 @@ def bytes_rows(lengths: list[int], bits: list[int], budget: float) -> list[dict[
     out = []
     for length in lengths:
         for b in [None, *bits]:
-            cache = kvsieve.make_cache(model, "h2o", budget, kv_bits=b)
+            cache = kvsieve.make_cache(model, "h2o", budget, kv_bits=b, residual=None if b is None else residual)
             model(tokens[None, :length], past_key_values=cache, logits_to_keep=1)
             slots = max(cache.capacities())
             measured = cache.kv_nbytes()
-            predicted = fp32_per_token * slots if b is None else quantized_kv_bytes(model, slots, b)
+            predicted = fp32_per_token * slots if b is None else quantized_kv_bytes(model, slots, cache.codec)
             out.append(
                 {
                     "length": length,
                     "bits": FP32 if b is None else b,
+                    "residual": None if b is None else cache.codec.residual,
                     "budget_tokens": cache.budget_tokens,
                     "slots": slots,
                     "measured": measured,
@@ -140,16 +147,17 @@ def bytes_rows(lengths: list[int], bits: list[int], budget: float) -> list[dict[
 
 def markdown_bytes(rows: list[dict[str, Any]], budget: float) -> str:
     lines = [
-        f"K/V bytes of h2o at {budget_label(budget)} after a prefill of each length (residual 32 tokens in float32, "
-        "groups of 32, float16 scale and zero)",
+        f"K/V bytes of h2o at {budget_label(budget)} after a prefill of each length (the residual's exact tokens in "
+        "float32, float16 scale and zero per group of 32)",
         "",
-        "| length | bits | budget | slots | measured | predicted | measured/predicted | full fp16 / measured "
-        "| full fp32 / measured |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| length | bits | residual | budget | slots | measured | predicted | measured/predicted "
+        "| full fp16 / measured | full fp32 / measured |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        residual = "—" if r["residual"] is None else r["residual"]
         lines.append(
-            f"| {r['length']} | {r['bits']} | {r['budget_tokens']} | {r['slots']} | {r['measured']:,} | "
+            f"| {r['length']} | {r['bits']} | {residual} | {r['budget_tokens']} | {r['slots']} | {r['measured']:,} | "
             f"{r['predicted']:,} | {r['measured'] / r['predicted']:.4f} | {r['full_fp16'] / r['measured']:.1f}x | "
             f"{r['full_fp32'] / r['measured']:.1f}x |"
         )
@@ -164,12 +172,13 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.1])
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2])
     parser.add_argument("--bytes-lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--residual", type=int, help="exact newest tokens per row (default: the engine's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--report", action="store_true", help="compute no cell (the bytes are always measured)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    specs = [spec(p, b) for p in ["full", *args.policies] for b in [None, *args.bits]]
+    specs = [spec(p, b, args.residual) for p in ["full", *args.policies] for b in [None, *args.bits]]
     result = run_sweep(
         args.out / "sweep",
         ["ppl"],
@@ -179,11 +188,11 @@ def main() -> None:
         threads=args.threads,
         compute=not args.report,
     )
-    table = grid_tables(result.rows, args.policies, args.budgets, args.bits)
+    table = grid_tables(result.rows, args.policies, args.budgets, args.bits, args.residual)
     grid_md = markdown_grid(table, args.bits, args.ppl_tokens)
     claim_line = claim(table)
     plot = plot_grid(table, args.bits, args.budgets, args.out / "ppl_vs_bits.png")
-    sizes = bytes_rows(args.bytes_lengths, args.bits, CLAIM[1])
+    sizes = bytes_rows(args.bytes_lengths, args.bits, CLAIM[1], args.residual)
     bytes_md = markdown_bytes(sizes, CLAIM[1])
     report = "\n\n".join([grid_md, claim_line, bytes_md]) + "\n"
     (args.out / "report.md").write_text(report)

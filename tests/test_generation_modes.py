@@ -154,7 +154,7 @@ def _state(cache: kvsieve.SieveCache) -> list[tuple[torch.Tensor, ...]]:
     for i, layer in enumerate(cache.layers):
         store = layer.store
         order = store.positions[:, :, : store.used].argsort(dim=-1)
-        held = [store.keys, store.values, *store.state.values()]
+        held = [*store.kv.values(), *store.state.values()]
         out.append(
             (cache.positions(i).sort(dim=-1).values, *(t[:, :, : store.used].gather(2, _wide(order, t)) for t in held))
         )

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 import kvsieve
 from kvsieve.engine.quant import KVQuant, dequantize, kv_quant, quantize, recent
-
-POLICIES = ["h2o", "scissorhands", "ahakv", "streaming_llm", "tova", "snapkv", "knorm", "random", "full"]
+from kvsieve.policies import REGISTRY, Policy, Slots
 
 
 @settings(max_examples=60, deadline=None)
@@ -24,21 +23,21 @@ POLICIES = ["h2o", "scissorhands", "ahakv", "streaming_llm", "tova", "snapkv", "
 def test_round_trip_error_is_within_half_a_step(bits, groups, group, spread, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn((2, 3, 5, groups * group), generator=gen) * spread).float()
-    x[0, 0, 0] = 7.0  # a constant vector: scale floored, exact
+    x[0, 0, 0] = 7.0  # a constant vector: the scale floored
     codes, scale, zero = quantize(x, bits, group)
     assert codes.dtype == torch.uint8 and codes.shape[-1] == groups * group * bits // 8
     assert scale.dtype == zero.dtype == torch.float16 and scale.shape[-1] == groups
     back = dequantize(codes, scale, zero, bits, torch.float32)
     step = scale.float().repeat_interleave(group, dim=-1)
     assert ((back - x).abs() <= step / 2 * (1 + 1e-5) + 1e-6 * x.abs()).all()
-    assert torch.equal(back[0, 0, 0], x[0, 0, 0])
+    assert (back[0, 0, 0] - 7).abs().max() < 1e-2
 
 
 def test_codes_use_every_level_and_pack_in_order() -> None:
     x = torch.arange(16, dtype=torch.float32).view(1, 1, 1, 16)
     codes, scale, zero = quantize(x, 4, 16)
-    assert zero.item() == 0 and scale.item() == 1
-    assert codes.flatten().tolist() == [i | (i + 1) << 4 for i in range(0, 16, 2)]  # the first code in the low bits
+    assert -1e-3 < zero.item() <= 0 and 1 <= scale.item() < 1.002  # (rounded down and up to float16)
+    assert codes.flatten().tolist() == [i | (i + 8) << 4 for i in range(8)]  # planar, the first in the low bits
 
 
 def _plain_reference(model, ids, policy, budget, residual, bits, group):
@@ -74,13 +73,41 @@ def test_quantized_slots_equal_the_round_tripped_reference(tiny_models, make_ids
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
 def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy) -> None:
-    model = tiny_models("llama_gqa", torch.float64)
-    ids = make_ids(2, 48)
+    whole, steps = _whole_and_steps(tiny_models("llama_gqa", torch.float64), make_ids(2, 48), policy, bits=4)
+    torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
+    for a, b in zip(whole[1], steps[1], strict=True):
+        assert torch.equal(a, b)
+
+
+class _ValueNorm(Policy):
+    """Keeps the tokens whose values have the lowest norm (ties, e.g. one token id at two positions in the first
+    layer, to the newest): reads ``slots.values`` at every eviction."""
+
+    name = "value_norm"
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return slots.pos * 1e-6 - slots.values.norm(dim=-1)
+
+
+def test_a_policy_reading_slot_values_must_declare_it(tiny_models, make_ids, monkeypatch) -> None:
+    """``Policy.reads_kv``: a scan over quantized slots gives a policy that does not declare it the slots dequantized
+    only (not the residual's exact copies), so its decisions differ from token by token."""
+    model, ids = tiny_models("llama_gqa", torch.float64), make_ids(2, 48)
+    monkeypatch.setattr(_ValueNorm, "reads_kv", True)
+    whole, steps = _whole_and_steps(model, ids, _ValueNorm, bits=2)
+    torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
+    monkeypatch.setattr(_ValueNorm, "reads_kv", False)
+    whole, steps = _whole_and_steps(model, ids, _ValueNorm, bits=2)
+    assert not all(torch.equal(a, b) for a, b in zip(whole[1], steps[1], strict=True))
+
+
+def _whole_and_steps(model, ids, policy, bits):
+    """(logits, kept positions per layer) of one-pass streaming and of token-by-token feeding."""
 
     def run(stream: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = kvsieve.make_cache(model, policy, 14, kv_bits=4, group_size=8, residual=6, stream=stream)
+        cache = kvsieve.make_cache(model, policy, 14, kv_bits=bits, group_size=8, residual=6, stream=stream)
         with torch.inference_mode():
             if stream:
                 logits = model(ids, past_key_values=cache).logits
@@ -88,10 +115,7 @@ def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy)
                 logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(48)], 1)
         return logits, [layer.held_positions().sort(dim=-1).values for layer in cache.layers]
 
-    (whole, kept_whole), (steps, kept_steps) = run(True), run(False)
-    torch.testing.assert_close(whole, steps, rtol=0, atol=1e-10)
-    for a, b in zip(kept_whole, kept_steps, strict=True):
-        assert torch.equal(a, b)
+    return run(True), run(False)
 
 
 @pytest.mark.parametrize("model_name", ["llama_mha", "gemma3"])
@@ -133,7 +157,7 @@ def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residu
         model(make_ids(2, 50), past_key_values=cache)
         model(make_ids(2, 1, seed=9), past_key_values=cache)
     batch, heads, dim = 2, 2, 16
-    per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero
+    per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero (key and value alike)
     ring = (residual + 1) * dim * 4 if residual else 0  # exact fp32 copies (+ the padding slot)
     predicted = 2 * batch * heads * ((budget + 1) * per_slot + ring)  # keys and values; budget + the spare slot
     for layer in cache.layers:
@@ -165,8 +189,7 @@ def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, ma
         model(make_ids(1, 1, seed=5), past_key_values=cache)
     slots = seen[-1]
     store = layer.store
-    codes = {name: t[:, :, : slots.pos.shape[-1]] for name, t in store.kv.items()}
-    dequantized = dequantize(codes["values.codes"], codes["values.scale"], codes["values.zero"], 2, torch.float64)
+    dequantized = store.codec.decode(store.kv, slots.pos.shape[-1], torch.float64)[1]
     fresh = recent(slots.pos, slots.last, 3)
     assert fresh.sum() == 3 * slots.pos.shape[1]  # the 3 newest positions, in every head
     assert torch.equal(slots.values[~fresh], dequantized[~fresh])
@@ -213,7 +236,7 @@ def test_bad_quantization_is_refused_before_any_work(llama_gqa, kwargs, message)
 def test_spec_keys_and_arguments(llama_gqa) -> None:
     from_spec = kvsieve.make_cache(llama_gqa, "h2o:kv_bits=2,group_size=4,residual=0", 8)
     assert from_spec.codec == KVQuant(2, 4, 0) == kv_quant("2", "4", "0")
-    assert kvsieve.make_cache(llama_gqa, "h2o", 8, kv_bits=8, group_size=16).codec == KVQuant(8, 16, 32)
+    assert kvsieve.make_cache(llama_gqa, "h2o", 8, kv_bits=8, group_size=16).codec == KVQuant(8, 16, 16)
     assert kvsieve.make_cache(llama_gqa, "h2o", 8).codec == kvsieve.make_cache(llama_gqa, "h2o:kv_bits=none", 8).codec
     with pytest.raises(ValueError, match="kv_bits given both"):
         kvsieve.make_cache(llama_gqa, "h2o:kv_bits=4", 8, kv_bits=4)

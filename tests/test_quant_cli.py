@@ -127,7 +127,7 @@ def _slots(plain_bytes: int) -> int:
     return slots
 
 
-def _quant_bytes(slots: int, bits: int, residual: int = 32) -> int:
+def _quant_bytes(slots: int, bits: int, residual: int) -> int:
     """The tiny Llama's quantized K/V bytes, written out: codes, float16 scale/zero per group of 8, the fp32 ring."""
     codes = slots * 16 * bits // 8
     scales = slots * (16 // 8) * 2 * 2
@@ -142,7 +142,7 @@ def test_predicted_bytes_equal_the_cache(tiny_lm, make_ids, bits, residual) -> N
     with torch.inference_mode():
         model(make_ids(2, 40), past_key_values=cache)
     slots = max(cache.capacities())
-    predicted = quantized_kv_bytes(model, slots, bits, group_size=8, residual=residual, batch=2)
+    predicted = quantized_kv_bytes(model, slots, KVQuant(bits, group_size=8, residual=residual), batch=2)
     assert cache.kv_nbytes() == predicted == 2 * _quant_bytes(slots, bits, residual)
 
 
@@ -182,12 +182,13 @@ def test_sweep_keeps_the_quantization_at_100_percent(capsys, tiny_dir, tmp_path)
 def test_bench_checks_quantized_cells_against_the_floor_apart(capsys, tiny_dir) -> None:
     # (the checks are the eviction-overhead preset's, at budget 512: a prompt just past it)
     argv = ["bench", "--model", str(tiny_dir), "--prompt-lens", "520", "--gen-lens", "4", "--batches", "1"]
-    out = _json(capsys, *argv, "--budget", "512", "--repeats", "1", "--policies", "h2o", "h2o:kv_bits=4,group_size=8")
+    spec = "h2o:kv_bits=4,group_size=8,residual=8"
+    out = _json(capsys, *argv, "--budget", "512", "--repeats", "1", "--policies", "h2o", spec)
     cells = {c["policy"]: c for c in out["cells"]}
-    assert set(cells) == {"dynamic_full", "floor", "h2o", "h2o:kv_bits=4,group_size=8"}
-    quant = cells["h2o:kv_bits=4,group_size=8"]
+    assert set(cells) == {"dynamic_full", "floor", "h2o", spec}
+    quant = cells[spec]
     assert quant["budget_tokens"] == 512 and quant["ratios"]["vs_floor"]["step_ms_p50"] > 0
-    assert quant["kv_bytes"] == _quant_bytes(_slots(cells["h2o"]["kv_bytes"]), 4)  # real bytes, not dequantized
+    assert quant["kv_bytes"] == _quant_bytes(_slots(cells["h2o"]["kv_bytes"]), 4, 8)  # real bytes, not dequantized
     checks = {c["check"].split(" (")[0]: c for c in out["checks"]}
     assert "kv_bits=4" in checks["decode step of quantized slots"]["measured"]
     assert checks["decode step of quantized slots"]["passed"] is not None

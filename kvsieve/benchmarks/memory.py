@@ -13,6 +13,8 @@ import numpy as np
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from kvsieve.engine.quant import KVQuant
+
 MIB = 2**20
 
 
@@ -69,18 +71,16 @@ def full_kv_bytes_per_token(model: PreTrainedModel) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
 
 
-def quantized_kv_bytes(
-    model: PreTrainedModel, slots: int, bits: int, group_size: int = 32, residual: int = 32, batch: int = 1
-) -> int:
-    """K/V bytes of quantized slots (:mod:`kvsieve.engine.quant`) with ``slots`` slots per row, layer and KV head:
+def quantized_kv_bytes(model: PreTrainedModel, slots: int, quant: KVQuant, batch: int = 1) -> int:
+    """K/V bytes of slots quantized as ``quant`` (:mod:`kvsieve.engine.quant`), ``slots`` per row, layer and KV head:
     packed codes (``bits`` per element), a float16 scale and zero per group of ``group_size`` channels, and the
     residual's exact copies of the ``residual`` newest tokens (plus one slot for padding; none when 0) in the model's
     dtype; keys and values alike."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = next(model.parameters()).element_size()
-    per_slot = head_dim * bits // 8 + head_dim // group_size * 2 * 2
-    ring = (residual + 1) * head_dim * elem if residual else 0
+    per_slot = head_dim * quant.bits // 8 + head_dim // quant.group_size * 2 * 2
+    ring = (quant.residual + 1) * head_dim * elem if quant.residual else 0
     return 2 * batch * config.num_hidden_layers * config.num_key_value_heads * (slots * per_slot + ring)
 
 

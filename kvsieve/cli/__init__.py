@@ -49,7 +49,10 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
             file=sys.stderr,
         )
     elif command == "needle":
-        print(f"passkey retrieval, {result['policy']} at budget {result['budget']} (exact match)")
+        print(
+            f"passkey retrieval, {result['policy']} at budget {result['budget']}, question-{result['question']} "
+            "(exact match)"
+        )
         for cell in result["cells"]:
             print(f"  length {cell['length']:>6}  depth {cell['depth']:>5.0%}  {cell['correct']}/{cell['trials']}")
     elif command == "bench":

@@ -190,11 +190,13 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
         policy=_spec(args),
         budget=args.budget,
         progress=not args.json,
+        question=args.question,
         **policy_kwargs,
     )
     if args.plot:
-        plot_needle(cells, args.plot, title=f"{_spec(args)}, budget {args.budget}")
-    return {"policy": _spec(args), "budget": args.budget, "cells": [c.to_dict() for c in cells]}
+        plot_needle(cells, args.plot, title=f"{_spec(args)}, budget {args.budget}, question-{args.question}")
+    cells = [c.to_dict() for c in cells]
+    return {"policy": _spec(args), "budget": args.budget, "question": args.question, "cells": cells}
 
 
 def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,9 +247,11 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.evaluation.defaults import check_question
     from kvsieve.evaluation.lm_eval_model import KVSieveLM
     from kvsieve.evaluation.summarization import evaluate_xsum
 
+    check_question(args.question, args.protocol)
     policy_kwargs = _policy_kwargs(args)
     model, tokenizer = _load(args)
     lm = KVSieveLM(
@@ -256,12 +260,14 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
         policy=_spec(args),
         budget=args.budget,
         protocol=args.protocol,
+        question=args.question,
         batch_size=args.batch_size,
         **policy_kwargs,
     )
     result = evaluate_xsum(lm, args.limit, args.max_new_tokens, progress=not args.json).to_dict()
     samples = result.pop("samples")
-    return {"policy": _spec(args), "budget": args.budget, "protocol": args.protocol, **result, "first": samples[0]}
+    settings = {"policy": _spec(args), "budget": args.budget, "protocol": args.protocol, "question": args.question}
+    return {**settings, **result, "first": samples[0]}
 
 
 def _ray_options(args: argparse.Namespace) -> Any:
@@ -294,7 +300,12 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
         [_spec(args, policy) for policy in args.policies or sweep.DEFAULT_POLICIES],
         args.budgets or sweep.DEFAULT_BUDGETS,
         settings=sweep.Settings(
-            model=args.model, limit=args.limit, protocol=args.protocol, ppl_tokens=args.ppl_tokens, dtype=args.dtype
+            model=args.model,
+            limit=args.limit,
+            protocol=args.protocol,
+            question=args.question,
+            ppl_tokens=args.ppl_tokens,
+            dtype=args.dtype,
         ),
         jobs=args.jobs,
         threads=args.threads,

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 from kvsieve.benchmarks import defaults as bench_defaults
 from kvsieve.engine.budget import parse_budget
-from kvsieve.evaluation.defaults import DEFAULT_MODEL
+from kvsieve.evaluation.defaults import DEFAULT_MODEL, DEFAULT_QUESTION, QUESTION_MODES
 
 
 class UsageError(Exception):
@@ -111,6 +111,16 @@ def _quant_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _question_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--question",
+        choices=QUESTION_MODES,
+        default=DEFAULT_QUESTION,
+        help="aware (default): the context compressed with the question; agnostic: before it (kvpress's protocol; "
+        "with --protocol prefill where there is a protocol)",
+    )
+
+
 def _schedule_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--schedule",
@@ -187,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", type=FRACTION, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths")
     p.add_argument("--trials", type=POSITIVE_INT, default=3, help="trials per cell")
     p.add_argument("--plot", help="write the accuracy heat map to this PNG")
+    _question_arg(p)
 
     for name, help_text in (
         ("ppl", "perplexity of a text streamed through a bounded cache"),
@@ -278,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=POSITIVE_INT, default=10, help="articles (default 10; the set has 1,001)")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
     p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
+    _question_arg(p)
     p.add_argument("--batch-size", type=POSITIVE_INT, default=8)
 
     p = sub.add_parser("sweep", help="metric vs budget for policies × tasks: resumable, with tables and plots")
@@ -288,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", nargs="+", type=_budget, help="ratios or tokens; default 4%% 10%% 20%% 60%% 100%%")
     p.add_argument("--limit", type=POSITIVE_INT, help="examples per (sub)task / XSum articles (default: all)")
     p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
+    _question_arg(p)
     p.add_argument("--ppl-tokens", type=POSITIVE_INT, default=1024, help="tokens of Wikipedia text for the ppl task")
     p.add_argument("--jobs", type=POSITIVE_INT, default=1, help="processes computing cells (default 1)")
     p.add_argument("--threads", type=POSITIVE_INT, help="torch threads per process (1 is fastest on a busy machine)")

@@ -248,9 +248,7 @@ class SieveLayer(CacheLayerMixin):
             store = store.copy()
             store.compact()
         n = store.used
-        residual = {} if store.residual is None else {"residual.keys": store.residual.keys}
-        if store.residual is not None:
-            residual["residual.values"] = store.residual.values
+        residual = {} if store.residual is None else {"residual": store.residual.kv}
         tensors = {
             **{name: t[:, :, :n] for name, t in store.kv.items()},
             **residual,
@@ -272,7 +270,7 @@ class SieveLayer(CacheLayerMixin):
         self.reset()
         self.policy = self.plan.resolve(prompt_len)[self.layer_idx]
         codec = self.codec
-        residual = ("residual.keys", "residual.values") if codec.residual else ()
+        residual = ("residual",) if codec.residual else ()
         needed = {*codec.names(), *residual, "positions", "newest"} | {f"state.{n}" for n in self.policy.state_spec()}
         missing = [name for name in sorted(needed) if name not in tensors]
         if missing:
@@ -291,7 +289,7 @@ class SieveLayer(CacheLayerMixin):
             used=positions.shape[2],
             may_hold_padding=bool(counters["may_hold_padding"]),
             codec=codec,
-            residual=Residual(tensors[residual[0]], tensors[residual[1]], codec.residual) if residual else None,
+            residual=Residual(tensors["residual"], codec.residual) if residual else None,
             dtype=self.dtype,
         )
         self.newest = tensors["newest"]
@@ -403,10 +401,10 @@ class SieveLayer(CacheLayerMixin):
         )
         store.may_hold_padding |= chunk.padding is not None
         keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
-        start = store.append(keys, chunk.values, new_pos, policy.initial_state(keys, new_pos))
+        start = store.append(keys, chunk.values, new_pos, policy.initial_state(keys, new_pos), self.newest)
         slots = store.view(self.newest)
         keys, values, query, exact = slots.keys, slots.values, chunk.query, None
-        if q > 1 and store.step is not None and store.step.exact_keys is not None:
+        if q > 1 and store.step is not None and store.step.exact is not None:
             # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
             keys, values = store.step.keys, store.step.values
             exact = Exact(store.step.exact_keys, store.step.exact_values, store.codec.residual)

@@ -17,9 +17,10 @@ token-by-token engine). Position-only policies (:class:`~kvsieve.policies.base.P
 run's decisions between the layers of a group: only the first one steps through the run.
 
 A run can be scanned when its tokens and the layer's slots hold no padding (a left-padded batch's runs once the
-padding slots were evicted), positions are not rolled, the layer has no window, its slots are not quantized, and
-the attention needs nothing the scan does not compute (soft-capping, sinks, returned weights); otherwise the layer
-steps through it chunk by chunk (:meth:`SieveLayer._step`).
+padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing the
+scan does not compute (soft-capping, sinks, returned weights); otherwise the layer steps through it chunk by chunk
+(:meth:`SieveLayer._step`). Quantized slots are read as :mod:`kvsieve.engine.quant` says: dequantized, and exactly
+by each query within its residual.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs
 from kvsieve.policies import Observation, Slots
 from kvsieve.policies.base import protect
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import Chunk, SieveLayer
+    from kvsieve.engine.storage import SlotStore
 
 SCAN_ELEMENTS = 1 << 22
 """Most logits (``[B, Hq, run, slots]``) of one scanned run; longer runs are cut."""
@@ -54,7 +57,6 @@ def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
         and not args.explicit
         and layer.limit is not None
         and not layer.policy.narrows
-        and not store.quantized
     )
 
 
@@ -81,39 +83,88 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
     store, policy = layer.store, layer.policy
     if store.stale is not None:
         store.compact()
-    bsz, heads, c = chunk.keys.shape[:3]
+    heads, c = chunk.keys.shape[1:3]
     first = store.used
     query_pos = layer.newest[:, None] + torch.arange(1, c + 1, device=layer.device)  # [B, c]
     new_pos = query_pos[:, None, :].expand(-1, heads, -1)
-    store.append(chunk.keys, chunk.values, torch.full_like(new_pos, -1), policy.initial_state(chunk.keys, new_pos))
+    store.append(chunk.keys, chunk.values, new_pos, policy.initial_state(chunk.keys, new_pos))
     n = store.used
-    keys, values, pos = store.kv["keys"][:, :, :n], store.kv["values"][:, :, :n], store.positions[:, :, :n]
+    kv = _RunKV(store, query_pos)
+    pos = store.positions[:, :, :n]
+    pos[:, :, first:] = -1  # (hidden until revealed)
     state = {name: t[:, :, :n] for name, t in store.state.items()}
-    logits = _logits(chunk.query, keys, args.scaling) if policy.needs_attention else None
+    logits = kv.logits(chunk.query, args.scaling) if policy.needs_attention else None
     gone, kept = layer.memo.decide(
         layer.plan.groups[layer.layer_idx],
         ("run", layer.eviction_rounds),
-        lambda: _decide(layer, pos, state, keys, values, query_pos, new_pos, logits),
+        lambda: _decide(layer, pos, state, kv, query_pos, new_pos, logits),
     )
     layer.eviction_rounds += c
     if logits is None:
-        logits = _logits(chunk.query, keys, args.scaling)
+        logits = kv.logits(chunk.query, args.scaling)
     probs = logits.masked_fill(gone[:, :, None], float("-inf")).softmax(dim=-1)
-    weights = probs.reshape(bsz * heads, -1, n).to(values.dtype)
-    out = torch.bmm(weights, values.reshape(bsz * heads, n, -1)).view(*chunk.query.shape[:3], -1)
+    out = kv.output(probs).view(*chunk.query.shape[:3], -1)
     layer.newest = query_pos[:, -1]
     pos[:, :, first:] = new_pos  # (the layers that took a group's decisions revealed nothing)
+    store.release()
     if kept is not None:
         store.keep(kept)
     return out
+
+
+class _RunKV:
+    """The keys and values a run reads: the slots as they are, or (quantized) dequantized, with each query reading
+    its recent tokens exactly (:func:`~kvsieve.engine.quant.recent`, by the positions when the run starts)."""
+
+    def __init__(self, store: SlotStore, query_pos: torch.Tensor) -> None:
+        step, n = store.step, store.used
+        self.keys, self.values = (store.kv["keys"], store.kv["values"]) if step is None else (step.keys, step.values)
+        self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]
+        self.band = None
+        if step is not None and step.exact is not None:
+            self.exact_keys, self.exact_values = step.exact_keys, step.exact_values
+            self.band = recent(store.positions[:, :, :n], query_pos, store.codec.residual)  # [B, H, c, N]
+
+    def logits(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[B, Hkv, G, c, N]`` scaled logits of the run's queries ``[B, Hq, c, D]``, in fp32 (fp64 for a fp64
+        model)."""
+        logits = _logits(query, self.keys, scaling)
+        if self.band is None:
+            return logits
+        return torch.where(self.band[:, :, None], _logits(query, self.exact_keys, scaling), logits)
+
+    def slots(
+        self, pos: torch.Tensor, state: dict[str, torch.Tensor], last: torch.Tensor, t: int, reads: bool
+    ) -> Slots:
+        """The policy's view when the run's ``t``-th token is the newest (keys and values dequantized only, unless
+        the policy ``reads`` them: :attr:`~kvsieve.policies.base.Policy.reads_kv`)."""
+        if self.band is None or not reads:
+            return Slots(pos, state, last, self.keys, self.values)
+        exact = self.band[:, :, t, :, None]
+        keys = torch.where(exact, self.exact_keys, self.keys)
+        return Slots(pos, state, last, keys, torch.where(exact, self.exact_values, self.values))
+
+    def output(self, probs: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, c, D]`` (flattened over heads and queries) from the probabilities ``[B, Hkv, G, c, N]``."""
+        bsz, heads, n = probs.shape[0], probs.shape[1], probs.shape[-1]
+        weights = probs.to(self.values.dtype)
+
+        def product(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(w.reshape(bsz * heads, -1, n), values.reshape(bsz * heads, n, -1))
+
+        if self.band is None:
+            return product(weights, self.values)
+        band = self.band[:, :, None]
+        return product(torch.where(band, 0, weights), self.values) + product(
+            torch.where(band, weights, 0), self.exact_values
+        )
 
 
 def _decide(
     layer: SieveLayer,
     pos: torch.Tensor,
     state: dict[str, torch.Tensor],
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    kv: _RunKV,
     query_pos: torch.Tensor,
     new_pos: torch.Tensor,
     logits: torch.Tensor | None,
@@ -128,13 +179,13 @@ def _decide(
     step_logits = [None] * len(columns) if logits is None else logits.split(1, dim=3)
     wide_pos = pos[:, :, None, None]
     steps = zip(query_pos.unbind(1), query_pos.split(1, dim=1), new_pos.unbind(2), columns, step_logits, strict=True)
-    for last, step_pos, revealed, column, step_logit in steps:
+    for t, (last, step_pos, revealed, column, step_logit) in enumerate(steps):
         column.copy_(revealed)
         held += 1
         wide_gone = wide_pos < 0
         gone = wide_gone.view(pos.shape)
         gones.append(gone)
-        slots = Slots(pos, state, last, keys, values)
+        slots = kv.slots(pos, state, last, t, policy.reads_kv)
         if step_logit is not None:
             masked = torch.where(wide_gone, float("-inf"), step_logit)
             policy.observe(slots, Observation(masked.softmax(dim=-1).sum(dim=2), masked, step_pos, 1, key_pos=pos))

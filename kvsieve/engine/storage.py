@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvsieve.engine.quant import PLAIN, Codec, Residual, recent
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, recent, split
 from kvsieve.policies import Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
@@ -24,12 +24,27 @@ StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 @dataclass
 class StepKV:
     """The slots in use during a step of a quantized store, decoded once: dequantized, and exact where the residual
-    (or the step's own tokens) gives them (elsewhere: meaningless), each ``[B, H, used, D]``."""
+    (or the step's own tokens) gives them (elsewhere: meaningless); keys and values as one ``[B, H, used, 2·D]``
+    tensor each."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    exact_keys: torch.Tensor | None
-    exact_values: torch.Tensor | None
+    both: torch.Tensor
+    exact: torch.Tensor | None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return split(self.both)[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return split(self.both)[1]
+
+    @property
+    def exact_keys(self) -> torch.Tensor | None:
+        return None if self.exact is None else split(self.exact)[0]
+
+    @property
+    def exact_values(self) -> torch.Tensor | None:
+        return None if self.exact is None else split(self.exact)[1]
 
 
 @dataclass
@@ -71,7 +86,7 @@ class SlotStore:
             },
             limit=limit,
             codec=codec,
-            residual=Residual.empty(keys, codec.residual) if codec.residual else None,
+            residual=Residual.empty(torch.cat([keys, values], dim=-1), codec.residual) if codec.residual else None,
             dtype=keys.dtype,
         )
 
@@ -87,7 +102,7 @@ class SlotStore:
 
     @property
     def quantized(self) -> bool:
-        return self.codec is not PLAIN
+        return isinstance(self.codec, KVQuant)  # (a deep copy of a cache copies PLAIN too)
 
     @property
     def head_dim(self) -> int:
@@ -102,24 +117,31 @@ class SlotStore:
         each row's newest position. Quantized slots are seen as by the newest token: exact within the residual."""
         if self.step is None:
             keys, values = self.decoded()
-        elif self.step.exact_keys is None:
+        elif self.step.exact is None:
             keys, values = self.step.keys, self.step.values
         else:
             exact = recent(self.positions[:, :, : self.used], last, self.codec.residual)[..., None]
-            keys = torch.where(exact, self.step.exact_keys, self.step.keys)
-            values = torch.where(exact, self.step.exact_values, self.step.values)
+            keys, values = split(torch.where(exact, self.step.exact, self.step.both))
         return Slots(self.positions, self.state, last, keys, values).prefix(self.used)
 
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, initial: dict[str, torch.Tensor]
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        initial: dict[str, torch.Tensor],
+        newest: torch.Tensor | None = None,
     ) -> int | None:
         """Store ``q`` new tokens (``keys``/``values`` ``[B, H, q, D]``, ``positions`` ``[B, H, q]``, ``initial``
         state): a single token takes the stale slot (None is returned), else they go at the end (the slot of the
-        first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`)."""
+        first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`); a single
+        token is the step's only query, so its slots are decoded as it reads them (``newest``: each row's newest
+        position after it, ``[B]``)."""
         stale = self.stale
         if stale is None:
             self.reserve(self.used + keys.shape[2])
-        entries = self.codec.encode(keys, values)
+        both = torch.cat([keys, values], dim=-1) if self.quantized else None
+        entries = self.codec.encode(keys, values) if both is None else self.codec.encode_both(both)
         pairs = [
             (self.positions, positions),
             *((t, initial.get(name, 0)) for name, t in self.state.items()),
@@ -130,14 +152,16 @@ class SlotStore:
             self.used += keys.shape[2]
         _put(pairs, stale, start, self.used)
         self.stale = None
-        if self.quantized:
-            dequantized = self.decoded()
-            exact = None
-            if self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
-                exact = self.residual.read(self.positions[:, :, : self.used])
-                _put(list(zip(exact, (keys, values), strict=True)), stale, start, self.used)
-                self.residual.write(keys, values, positions)
-            self.step = StepKV(*dequantized, *(exact or (None, None)))
+        if both is not None:
+            decoded, exact, pos = self.codec.decode_both(self.kv, self.used, self.dtype), None, self.positions
+            if self.residual is not None and newest is not None and keys.shape[2] == 1:
+                self.residual.write(both, positions)  # (safe first: it replaces a position no query reads now)
+                self.residual.restore_exact(decoded, pos[:, :, : self.used], newest)
+            elif self.residual is not None:  # exact: the ring before this step's tokens, and the tokens themselves
+                exact = self.residual.read(pos[:, :, : self.used])
+                _put([(exact, both)], stale, start, self.used)
+                self.residual.write(both, positions)
+            self.step = StepKV(decoded, exact)
         return start
 
     def release(self) -> None:
@@ -223,11 +247,7 @@ class SlotStore:
             codec=first.codec,
             residual=None
             if first.residual is None
-            else Residual(
-                torch.cat([store.residual.keys for store in stores]),
-                torch.cat([store.residual.values for store in stores]),
-                first.residual.size,
-            ),
+            else Residual(torch.cat([store.residual.kv for store in stores]), first.residual.size),
             dtype=first.dtype,
         )
 

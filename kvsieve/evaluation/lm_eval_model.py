@@ -12,10 +12,10 @@ protocol=stream --tasks kvsieve_social_iqa --limit 10`` (every argument is lm-ev
 
 Model arguments: ``pretrained`` (built-in name, local directory or HF id), ``policy``, ``budget`` (a ratio of each
 request's length, e.g. ``0.2`` or ``20%``, or a token count such as ``64``; write ``1.0`` for 100 %),
-``protocol``, ``batch_size``, ``dtype``; ``kv_bits`` (8, 4 or 2), ``group_size`` and ``residual`` quantize the slots
-(:mod:`kvsieve.engine.quant`; also as keys of a ``policy`` spec); any other argument is a policy parameter
-(``recent=16``). The device
-comes from lm-eval's ``--device`` (its default ``cuda:0`` falls back to the CPU when there is no GPU).
+``protocol``, ``question``, ``batch_size``, ``dtype``; ``kv_bits`` (8, 4 or 2), ``group_size`` and ``residual``
+quantize the slots (:mod:`kvsieve.engine.quant`; also as keys of a ``policy`` spec); any other argument is a policy
+parameter (``recent=16``). The device comes from lm-eval's ``--device`` (its default ``cuda:0`` falls back to the
+CPU when there is no GPU).
 
 Budgets follow the H2O protocol: a ratio is resolved per request, ``round(ratio · (context + continuation))``
 tokens for scoring, ``round(ratio · (context + max_gen_toks))`` for generation, before the cache is built.
@@ -27,6 +27,18 @@ Protocols:
   continuation is then fed token by token under eviction (the stream protocol). The first continuation token is
   predicted by the full-attention pass, so one-token answers (Yes/No, correct/incorrect) score exactly as under
   ``full``: use ``stream`` for multiple-choice tasks; ``prefill`` suits generation (decoding under eviction).
+
+``question`` (:data:`~kvsieve.evaluation.defaults.QUESTION_MODES`): ``aware`` (the default) is the above.
+``agnostic`` (with ``protocol=prefill`` only) compresses each request's context **before its continuation is
+known**, kvpress's protocol. An lm-eval request does not mark where its question starts (a task's prompt mixes
+document, shots and question freely), so the split is by position: the **context but its last token** is compressed
+alone, in one forward pass, to the budget; the context's last token and the continuation are then fed with no
+eviction at all (``decode_budget=None``: the cache grows by them), so *every* scored or generated token — the first
+one too — is predicted from the compressed context, and one-token answers are not scored as under ``full``. A
+question that ends the context is therefore compressed with the document (all but its last token): this mode
+measures compression that never sees the continuation, not one that keeps the question whole. A ratio budget is of
+the request's context, ``round(ratio · context)`` tokens (kvpress's convention: of the compressed context, not of
+what follows). ``loglikelihood_rolling`` requests (perplexity tasks) have no context to compress and are refused.
 
 Requests whose budget can never be exceeded are computed with the ``full`` cache (the same result, faster; its
 slots quantized alike).
@@ -51,8 +63,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, parse_budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
+from kvsieve.engine.plan import SAME
 from kvsieve.engine.quant import kv_quant
-from kvsieve.evaluation.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MAX_GEN_TOKS, DEFAULT_MODEL, PROTOCOLS
+from kvsieve.evaluation.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_GEN_TOKS,
+    DEFAULT_MODEL,
+    DEFAULT_QUESTION,
+    PROTOCOLS,
+    check_question,
+)
 from kvsieve.policies import resolve_spec
 
 Pair = tuple[list[int], list[int]]
@@ -72,6 +92,7 @@ class KVSieveLM(TemplateLM):
         policy: str = "h2o",
         budget: Budget | str = 0.2,
         protocol: str = "stream",
+        question: str = DEFAULT_QUESTION,
         batch_size: int | str = DEFAULT_BATCH_SIZE,
         device: str | None = None,
         dtype: str | None = None,
@@ -83,11 +104,13 @@ class KVSieveLM(TemplateLM):
         super().__init__()
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        check_question(question, protocol)
         # typed; fails early on a bad one. ``policy`` may be a spec ("ahakv:sgs=false,schedule=increasing").
         self.policy, self.policy_kwargs, self.schedule, self.quant = resolve_spec(policy, policy_kwargs)
         kv_quant(**self.quant)
         self.budget = parse_budget(budget)
         self.protocol = protocol
+        self.question = question
         if model is None:
             from kvsieve.models import load_model
 
@@ -135,6 +158,7 @@ class KVSieveLM(TemplateLM):
             "kvsieve_policy": self.policy.name,
             "kvsieve_budget": self.budget,
             "kvsieve_protocol": self.protocol,
+            "kvsieve_question": self.question,
             "kvsieve_policy_params": self.policy_kwargs,
         }
 
@@ -143,7 +167,7 @@ class KVSieveLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         pairs = [self._truncate(context, continuation) for _, context, continuation in requests]
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-        budgets = [self.evicting_budget(len(c) + len(k)) for c, k in pairs]
+        budgets = [self.request_budget(len(c), len(k)) for c, k in pairs]
         with tqdm(total=len(pairs), desc=f"kvsieve {self.policy.name} scoring", disable=disable_tqdm) as bar:
             for budget, batch in self._batches(budgets, [tuple(c) for c, _ in pairs]):
                 for i, result in zip(batch, self.score([pairs[i] for i in batch], budget), strict=True):
@@ -154,7 +178,12 @@ class KVSieveLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of each whole string, streamed through the cache after the prefix token (no windows: the
-        cache itself is bounded)."""
+        cache itself is bounded). Refused under ``question=agnostic`` (no context to compress)."""
+        if self.question == "agnostic" and requests:
+            raise ValueError(
+                "question=agnostic compresses each request's context before its continuation; loglikelihood_rolling "
+                "requests (perplexity tasks) have none: use question=aware"
+            )
         tokenized = [(("", req.args[0]), [self.prefix_token_id], self.tok_encode(req.args[0])) for req in requests]
         results = [logprob for logprob, _ in self._loglikelihood_tokens(tokenized, disable_tqdm=disable_tqdm)]
         for req, result in zip(requests, results, strict=True):
@@ -178,9 +207,16 @@ class KVSieveLM(TemplateLM):
         tokens = resolve_budget(self.budget, length)
         return tokens if tokens < length - 1 else None
 
+    def request_budget(self, context: int, more: int) -> int | None:
+        """The budget of a request whose context has ``context`` tokens and ``more`` follow (the continuation, or
+        ``max_gen_toks``): of the whole request, or under ``question=agnostic`` of its context, whose last token
+        is fed after the compression (so nothing is evicted unless fewer than ``context - 1`` are kept)."""
+        return self.evicting_budget(context if self.question == "agnostic" else context + more)
+
     def _cache(self, budget: int | None) -> SieveCache:
         """A cache for requests under ``budget`` (None: the full cache, its slots quantized all the same when
-        ``kv_bits`` is set); streamed under the ``stream`` protocol."""
+        ``kv_bits`` is set); streamed under the ``stream`` protocol, growing without bound after the compressed
+        context under ``question=agnostic``."""
         if budget is None:
             return make_cache(self.model, "full", None, **self.quant)
         return make_cache(
@@ -189,6 +225,7 @@ class KVSieveLM(TemplateLM):
             budget,
             stream=self.protocol == "stream",
             schedule=self.schedule,
+            decode_budget=None if self.question == "agnostic" else SAME,
             **self.quant,
             **self.policy_kwargs,
         )
@@ -257,12 +294,18 @@ class KVSieveLM(TemplateLM):
 
         Each distinct context is fed once (left-padded batch; the stream protocol under ``stream``, one step under
         ``prefill``), the cache rows are then copied for every continuation of that context, and the continuations
-        (right-padded) are streamed.
+        (right-padded) are streamed. Under ``question=agnostic`` with a budget, the contexts but their last tokens
+        are compressed, then each last token and continuation is fed in one pass without eviction.
         """
         contexts: dict[tuple[int, ...], int] = {}
         owner = [contexts.setdefault(tuple(c), len(contexts)) for c, _ in pairs]
         conts = [k for _, k in pairs]
         cache = self._cache(budget)
+        if self.question == "agnostic" and budget is not None:
+            _, mask = self._forward(cache, [list(c[:-1]) for c in contexts], None, keep=1)
+            cache.batch_select_indices(torch.tensor(owner, device=self.model.device))
+            logits, _ = self._forward(cache, [[c[-1], *k[:-1]] for c, k in pairs], mask[owner])
+            return self._logprobs([logits[i, : len(k)] for i, k in enumerate(conts)], conts)
         first, mask = self._forward(cache, [list(c) for c in contexts], None, keep=1)
         rows = [first[o] for o in owner]
         if max(len(k) for k in conts) > 1:
@@ -270,6 +313,11 @@ class KVSieveLM(TemplateLM):
             with cache.streaming(budget is not None):
                 rest, _ = self._forward(cache, [k[:-1] for k in conts], mask[owner])
             rows = [torch.cat([row, rest[i, : len(k) - 1]]) for i, (row, k) in enumerate(zip(rows, conts, strict=True))]
+        return self._logprobs(rows, conts)
+
+    @staticmethod
+    def _logprobs(rows: Sequence[torch.Tensor], conts: Sequence[list[int]]) -> list[tuple[float, bool]]:
+        """``(log-probability, is_greedy)`` of each continuation from its ``[len(k), V]`` logits."""
         results = []
         for row, k in zip(rows, conts, strict=True):
             target = torch.tensor(k, device=row.device)
@@ -310,7 +358,7 @@ class KVSieveLM(TemplateLM):
         # batch would otherwise pad every row to it).
         prompts = [self._fit(self.tok_encode(c), s[1]) for c, s in zip(contexts, settings, strict=True)]
         keys = [
-            (self.evicting_budget(len(p) + max_new), json.dumps(s, sort_keys=True))
+            (self.request_budget(len(p), max_new), json.dumps(s, sort_keys=True))
             for p, s in zip(prompts, settings, strict=True)
             for max_new in [s[1]]
         ]
@@ -329,6 +377,8 @@ class KVSieveLM(TemplateLM):
     ) -> list[str]:
         cache = self._cache(budget)
         width = max(len(p) for p in prompts)
+        if self.question == "agnostic" and budget is not None:
+            cache.set_prompt_length(width - 1)  # (left-padded: every row's last token is in the last column)
         pad = self.tokenizer.pad_token_id or 0
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)

@@ -4,6 +4,15 @@ For each context length × needle depth, a random 5-digit passkey sentence is in
 haystack of real prose cut to the length; the model is asked for the key at the end and answers greedily under
 the policy. Exact match: the first number in the answer equals the key. Trials use distinct keys and haystack
 offsets (seeded), so the grid is reproducible.
+
+Two protocols (``question``, see :data:`~kvsieve.evaluation.defaults.QUESTION_MODES`):
+
+- ``aware`` (the default): the whole prompt, haystack and question, is compressed to the budget in one forward pass
+  (:func:`kvsieve.generate`; a ratio is of the whole prompt), and the answer is decoded under eviction within it;
+- ``agnostic``: the haystack is compressed before the question is known (:func:`kvsieve.compress` with
+  ``chat_template=False``: the same plain prompt text; a ratio is of the haystack part), then the question is fed to
+  the compressed cache and the answer decoded without eviction (kvpress's protocol). The split: the question part
+  starts with the whitespace the haystack ends with, so both parts tokenize exactly as the whole prompt does.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.api import generate
 from kvsieve.engine.budget import Budget
+from kvsieve.evaluation.defaults import DEFAULT_QUESTION, check_question
 from kvsieve.evaluation.plots import pyplot, save_figure
+from kvsieve.qa import compress
 
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? Answer: the pass key is number"
@@ -59,6 +70,33 @@ def build_prompt(
     return tokenizer.decode(hay[:cut] + needle + hay[cut:] + question)
 
 
+def split_question(prompt: str) -> tuple[str, str]:
+    """A :func:`build_prompt` prompt's haystack part and its question part (with the whitespace before it)."""
+    if not prompt.endswith(QUESTION):
+        raise ValueError("not a passkey prompt: it does not end with the question")
+    context = prompt[: len(prompt) - len(QUESTION)].rstrip()
+    return context, prompt[len(context) :]
+
+
+def answer(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    policy: str,
+    budget: Budget,
+    question: str = DEFAULT_QUESTION,
+    max_new_tokens: int = 8,
+    **policy_kwargs: Any,
+) -> str:
+    """The greedy answer to a passkey ``prompt`` under ``policy`` at ``budget`` in the ``question`` protocol."""
+    if question == "agnostic":
+        context, asked = split_question(prompt)
+        qa = compress(model, tokenizer, context, policy, budget, chat_template=False, **policy_kwargs)
+        return qa.ask(asked, max_new_tokens=max_new_tokens)
+    kwargs = {"policy_kwargs": policy_kwargs, "max_new_tokens": max_new_tokens}
+    return generate(model, tokenizer, prompt, policy=policy, budget=budget, **kwargs).text.strip()
+
+
 def run_needle(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -70,9 +108,12 @@ def run_needle(
     budget: Budget = 0.2,
     seed: int = 0,
     progress: bool = True,
+    question: str = DEFAULT_QUESTION,
     **policy_kwargs: Any,
 ) -> list[NeedleCell]:
-    """Accuracy of passkey retrieval for each (length, depth) under ``policy`` at ``budget``."""
+    """Accuracy of passkey retrieval for each (length, depth) under ``policy`` at ``budget``, the haystack compressed
+    with the question (``question="aware"``) or before it (``"agnostic"``, see the module docs)."""
+    check_question(question)
     if trials <= 0 or not lengths or not depths:
         raise ValueError("need at least one length, one depth and one trial")
     if any(not 0.0 <= d <= 1.0 for d in depths):
@@ -81,7 +122,7 @@ def run_needle(
     rng = random.Random(seed)
     cells = []
     total = len(lengths) * len(depths) * trials
-    with tqdm(total=total, desc=f"needle {policy}", disable=not progress, leave=False) as bar:
+    with tqdm(total=total, desc=f"needle {policy} ({question})", disable=not progress, leave=False) as bar:
         for length in lengths:
             for depth in depths:
                 answers, correct = [], 0
@@ -90,18 +131,10 @@ def run_needle(
                     offset = rng.randrange(0, max(1, len(haystack_ids) - length))
                     prompt = build_prompt(tokenizer, haystack_ids, length, depth, key, offset)
                     with torch.inference_mode():
-                        out = generate(
-                            model,
-                            tokenizer,
-                            prompt,
-                            policy=policy,
-                            budget=budget,
-                            max_new_tokens=8,
-                            policy_kwargs=policy_kwargs,
-                        )
-                    found = re.search(r"\d+", out.text)
+                        text = answer(model, tokenizer, prompt, policy, budget, question, **policy_kwargs)
+                    found = re.search(r"\d+", text)
                     correct += int(found is not None and int(found.group()) == key)
-                    answers.append(out.text.strip())
+                    answers.append(text)
                     bar.update()
                 cells.append(NeedleCell(length, depth, trials, correct, answers))
     return cells

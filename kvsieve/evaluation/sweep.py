@@ -2,8 +2,9 @@
 
 A sweep is a grid of cells (task, policy, budget); a policy may be a spec with parameters (``"h2o:recent=0"``,
 see :mod:`kvsieve.policies`), so an ablation is one more row of the grid. Every finished cell is stored as one JSON
-file in ``OUT/cells`` together with the settings it was computed with (model, limit, protocol, ppl tokens); a later run
-with the same settings never recomputes it, so an interrupted or extended sweep computes only what is missing.
+file in ``OUT/cells`` together with the settings it was computed with (model, limit, protocol, question, ppl
+tokens); a later run with the same settings never recomputes it, so an interrupted or extended sweep computes only
+what is missing.
 A cell that fails (e.g. ``streaming_llm`` when a request's budget is not above its 4 sink tokens) is stored with
 its ``error`` and shown as such; a later run computes it again.
 
@@ -18,6 +19,12 @@ Tasks:
 - any other name: an lm-eval task or group run through :class:`~kvsieve.evaluation.lm_eval_model.KVSieveLM`
   (the offline pack's short names such as ``social_iqa`` mean ``kvsieve_social_iqa``), ``limit`` documents per
   (sub)task, the task's default shots (5 for the pack); metrics ``acc`` and ``acc_norm``.
+
+``question`` (``aware``, the default, or ``agnostic`` with the ``prefill`` protocol; see
+:data:`~kvsieve.evaluation.defaults.QUESTION_MODES`): whether the lm-eval and ``xsum`` cells compress each request's
+context with its question or before its continuation (:class:`~kvsieve.evaluation.lm_eval_model.KVSieveLM`);
+``ppl`` has no question and is refused under ``agnostic``. Both modes of one grid go to two ``OUT`` directories (a
+cell computed with other settings is computed again, in place).
 
 Budgets are ratios (``0.2``, ``20%``) or token counts. ``full`` ignores the budget and a ratio of 1.0 never evicts
 anything, so all those cells of a task are computed once, as ``full``, and shared: 100 % = full.
@@ -51,7 +58,14 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from kvsieve.engine.budget import Budget, check_budget
-from kvsieve.evaluation.defaults import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, PROTOCOLS, ROUGE_TYPES
+from kvsieve.evaluation.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MODEL,
+    DEFAULT_QUESTION,
+    PROTOCOLS,
+    ROUGE_TYPES,
+    check_question,
+)
 from kvsieve.evaluation.tasks import task_name
 from kvsieve.policies import get_policy, join_spec, resolve_spec
 
@@ -100,6 +114,7 @@ class Settings:
     model: str = DEFAULT_MODEL
     limit: int | None = None
     protocol: str = "stream"
+    question: str = DEFAULT_QUESTION
     ppl_tokens: int = 1024
     dtype: str | None = None
     """The model's dtype (None: ``load_model``'s default, float32)."""
@@ -132,6 +147,7 @@ class Runner:
             policy=cell.policy,
             budget=cell.budget,
             protocol=self.settings.protocol,
+            question=self.settings.question,
             # XSum prompts run from 200 to 8,000 tokens: one at a time, no compute is spent on left padding.
             batch_size=1 if cell.task == "xsum" else DEFAULT_BATCH_SIZE,
         )
@@ -339,6 +355,9 @@ def run_sweep(
     settings = settings or Settings()
     if settings.protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {settings.protocol!r}")
+    check_question(settings.question, settings.protocol)
+    if settings.question == "agnostic" and "ppl" in tasks:
+        raise ValueError("the ppl task has no question to compress the context before: run it with question=aware")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if ray is not None and (jobs > 1 or threads):

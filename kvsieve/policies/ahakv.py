@@ -120,6 +120,7 @@ class AhaKV(Policy):
     name = "ahakv"
     paper = "Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction, 2025 (arXiv:2506.03762)"
     observes_all_slots = True  # the value prior is normalised over all the slots held at the step
+    reads_kv = True  # (the value prior)
     Params = AhaKVParams
 
     def setup(self) -> None:

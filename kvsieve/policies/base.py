@@ -163,6 +163,9 @@ class Policy:
     observes_all_slots: ClassVar[bool] = False
     """Whether :meth:`observe` needs every slot even for a block of prompt rows that can see only the slots before
     its own last token (otherwise the engine computes and observes just those: the rest would get zero)."""
+    reads_kv: ClassVar[bool] = False
+    """Whether :meth:`observe` or :meth:`keep_scores` read ``slots.keys`` or ``slots.values`` (otherwise the engine
+    may pass them unfinished: a scan over quantized slots then skips building each token's view of them)."""
     needs_attention: ClassVar[bool] = False
     """Inferred: whether the policy overrides :meth:`observe` or :meth:`narrow` (only then does the engine compute
     attention probabilities)."""
