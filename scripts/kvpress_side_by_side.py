@@ -85,13 +85,18 @@ class Settings:
 
     @property
     def budget(self) -> int:
-        """Tokens kept after the prefill: kvpress's ``compute_n_kept`` at ``COMPRESSION_RATIO``."""
-        return max(1, int(self.context * (1 - COMPRESSION_RATIO)))
+        """Tokens kept after the prefill."""
+        return kept_tokens(self.context)
 
     @property
     def presses(self) -> list[str]:
         """The kvpress methods to run (each once, whatever kvsieve settings are compared with it)."""
         return list(dict.fromkeys(METHODS[m] for m in self.methods))
+
+
+def kept_tokens(prompt: int) -> int:
+    """Tokens kvpress keeps of a ``prompt``-token prefill at ``COMPRESSION_RATIO`` (its ``compute_n_kept``)."""
+    return max(1, int(prompt * (1 - COMPRESSION_RATIO)))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -201,8 +206,16 @@ class WorkerProcess:
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """Send one request line; its reply."""
+        self.send(request)
+        return self.receive()
+
+    def send(self, request: dict[str, Any]) -> None:
+        """Send one request line (its reply: :meth:`receive`; the other side's worker may run meanwhile)."""
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        """The reply to the request sent last."""
         line = self.process.stdout.readline()
         if not line:
             raise RuntimeError(f"the {self.side} worker failed:\n{self.log.read_text()[-3000:]}")

@@ -1,4 +1,5 @@
-"""The measuring process of ``scripts/kvpress_side_by_side.py``: one side, JSON lines in and out.
+"""The process of ``scripts/kvpress_side_by_side.py`` and ``scripts/kvpress_qa.py``: one side, JSON lines in and
+out.
 
 It runs under either virtualenv: kvsieve's (``.venv``, side ``kvsieve``) or kvpress's (``.venv-kvpress``, side
 ``kvpress``: kvpress 0.5.5 needs transformers < 5.3). At the top it imports only torch and transformers; each side
@@ -21,21 +22,30 @@ decode steps: ``{"do": "start", "method": name, "kept": bool}`` prefills all ``i
 (other per-token cache state: kvsieve's positions and policy scores), ``slots`` (tokens a layer's buffers hold, at
 most) and, with ``"kept": true``, ``kept``: for each layer and KV head (batch row 0), the sorted prompt positions the
 cache held right after the prefill.
+
+Question answering (``scripts/kvpress_qa.py``) needs only ``side``, ``model``, ``threads`` and
+``compression_ratio`` in the setup line (no ``ids``, ``methods``: nothing to warm up), then ``{"do": "ask",
+"method": name, "context": str, "question": str, "budget": TOKENS, "max_new_tokens": N}``: the context compressed
+before the question (kvpress's ``kv-press-text-generation`` pipeline with the press, ``"dynamic"``: no press;
+kvsieve's ``compress`` with the policy spec at ``budget`` tokens, ``"full"``: nothing evicted, then ``ask``), greedy.
+Answer: ``answer`` (the decoded text, stripped), ``tokens`` (the answer's token ids, an EOS included: the greedy
+token of each forward pass of the LM after the context's), ``context_ids`` and ``question_ids`` (what was fed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
 
 DYNAMIC = "dynamic"
@@ -67,6 +77,29 @@ def load(model_dir: str, threads: int) -> PreTrainedModel:
 def next_token(model: PreTrainedModel, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward pass (the last position's logits only); the greedy next tokens ``[B, 1]``."""
     return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+
+@functools.cache
+def load_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside ``model``'s weights (loaded once, when a question needs it)."""
+    return AutoTokenizer.from_pretrained(model.name_or_path)
+
+
+@contextlib.contextmanager
+def greedy_tokens(model: PreTrainedModel) -> Iterator[list[int]]:
+    """The greedy token of each forward pass of ``model`` made inside (the argmax of the last position's logits,
+    batch row 0), read by a forward hook."""
+    tokens: list[int] = []
+    handle = model.register_forward_hook(lambda module, args, out: tokens.append(int(out.logits[0, -1].argmax())))
+    try:
+        yield tokens
+    finally:
+        handle.remove()
+
+
+def answer_reply(answer: str, tokens: list[int], context_ids: list[int], question_ids: list[int]) -> dict[str, Any]:
+    """An ``ask`` command's reply."""
+    return {"answer": answer.strip(), "tokens": tokens, "context_ids": context_ids, "question_ids": question_ids}
 
 
 def kv_bytes(cache: Cache) -> int:
@@ -163,6 +196,21 @@ class KvpressSide:
             ],
         )
 
+    def ask(self, method: str, context: str, question: str, budget: int, max_new_tokens: int) -> dict[str, Any]:
+        """kvpress's pipeline: ``context`` compressed by the press (by ``compression_ratio``; ``budget`` unused),
+        then ``question`` answered greedily. (The pipeline prefills the context through the base model, without the
+        LM head: every forward pass of ``self.model`` is the answer's.)"""
+        from transformers import pipeline
+
+        if method != DYNAMIC and method not in self.presses:
+            raise ValueError(f"unknown press {method!r}; expected one of {', '.join(self.presses)}")
+        press = None if method == DYNAMIC else self.presses[method](compression_ratio=self.ratio)
+        pipe = pipeline("kv-press-text-generation", model=self.model, tokenizer=load_tokenizer(self.model))
+        fed = pipe.preprocess(context, questions=[question], answer_prefix="", max_context_length=int(1e10))
+        with greedy_tokens(self.model) as tokens, torch.inference_mode():
+            answer = pipe(context, question=question, press=press, max_new_tokens=max_new_tokens)["answer"]
+        return answer_reply(answer, tokens, fed["context_ids"][0].tolist(), fed["questions_ids"][0][0].tolist())
+
 
 class KvsieveSide:
     """kvsieve's caches (``make_cache`` at ``budget`` tokens, kvsieve's attention), or a ``DynamicCache`` with sdpa."""
@@ -183,6 +231,16 @@ class KvsieveSide:
             ],
             extra_bytes=lambda c: c.state_nbytes(),
         )
+
+    def ask(self, method: str, context: str, question: str, budget: int, max_new_tokens: int) -> dict[str, Any]:
+        """``kvsieve.compress`` (the chat template, ``decode_budget=None``) of ``context`` to ``budget`` tokens under
+        the policy spec ``method``, then ``ask(question)``, greedy."""
+        from kvsieve.qa import compress
+
+        qa = compress(self.model, load_tokenizer(self.model), context, method, budget)
+        with greedy_tokens(self.model) as tokens:
+            answer = qa.ask(question, max_new_tokens=max_new_tokens, batch_size=1)
+        return answer_reply(answer, tokens, qa.context_ids[0].tolist(), qa.question_ids(question)[0].tolist())
 
 
 SIDES = {"kvsieve": KvsieveSide, "kvpress": KvpressSide}
@@ -207,20 +265,26 @@ class Worker:
             raise ValueError(f"unknown side {self.name!r}; expected one of {', '.join(SIDES)}")
         self.model = load(request["model"], request["threads"])
         self.side = SIDES[self.name](self.model, request["compression_ratio"])
-        self.ids, self.budget = torch.tensor([request["ids"]]), request["budget"]
-        warm = self.ids[:, : request["warmup"]]
+        self.ids, self.budget = torch.tensor([request.get("ids", [])], dtype=torch.long), request.get("budget", 0)
+        if request.get("methods"):
+            self.warm_up(request["methods"], request["warmup"])
+        self.run: Measurement | None = None
+
+    def warm_up(self, methods: list[str], tokens: int) -> None:
+        """Each method's run on the first ``tokens`` of the prompt, two decode steps, untimed."""
+        warm = self.ids[:, :tokens]
         warm_budget = max(1, self.budget * warm.shape[1] // self.ids.shape[1])
-        for method in request["methods"]:
+        for method in methods:
             run = Measurement(self.model, self.side.setup(method, warm, warm_budget, False), warm, kept=False)
             run.step()
             run.step()
-        self.run: Measurement | None = None
 
     def hello(self) -> dict[str, Any]:
         return {"side": self.name, "versions": versions(self.name), "threads": torch.get_num_threads()}
 
     def answer(self, command: dict[str, Any]) -> dict[str, Any]:
-        """``start`` a method's run (its prefill), ``step`` it once, or ``finish`` it (its result)."""
+        """``start`` a method's run (its prefill), ``step`` it once, ``finish`` it (its result), or ``ask`` a question
+        of a context."""
         match command["do"]:
             case "start":
                 setup = self.side.setup(command["method"], self.ids, self.budget, command["kept"])
@@ -232,7 +296,10 @@ class Worker:
             case "finish":
                 result, self.run = self.run.result(), None
                 return result
-        raise ValueError(f"unknown command {command['do']!r}; expected start, step or finish")
+            case "ask":
+                keys = ("method", "context", "question", "budget", "max_new_tokens")
+                return self.side.ask(*(command[key] for key in keys))
+        raise ValueError(f"unknown command {command['do']!r}; expected start, step, finish or ask")
 
 
 def serve(lines: Iterable[str], out: TextIO) -> None:

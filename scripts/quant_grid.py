@@ -8,7 +8,7 @@ later token streamed under eviction), each policy as a spec ``"h2o:kv_bits=4"``;
 The model is SmolLM2-135M in float32, so the unquantized cache holds float32 keys and values ("fp32" below).
 
 Bytes: a cache for ``h2o`` at 20 % of each length, its prompt prefilled in one pass (compressed to the budget):
-``cache.kv_nbytes()`` against :func:`~kvsieve.benchmarks.memory.quantized_kv_bytes` (codes + float16 scales and
+``cache.kv_nbytes()`` against :func:`~kvsieve.benchmarks.memory.held_kv_bytes` (codes + float16 scales and
 zeros + the residual's exact copies, for the slots allocated) and against the full cache of the same length in
 float16 and float32.
 
@@ -115,7 +115,7 @@ def plot_grid(table: dict, bits: list[int], budgets: list[float], path: Path) ->
 def bytes_rows(lengths: list[int], bits: list[int], budget: float, residual: int | None) -> list[dict[str, Any]]:
     """Measured vs predicted K/V bytes of h2o at ``budget`` of each length, and the full caches' bytes."""
     import kvsieve
-    from kvsieve.benchmarks.memory import full_kv_bytes_per_token, quantized_kv_bytes
+    from kvsieve.benchmarks.memory import full_kv_bytes_per_token, held_kv_bytes
     from kvsieve.benchmarks.runner import prompt_tokens
 
     model, tokenizer = kvsieve.load_model("smollm2-135m", device="cpu")
@@ -128,7 +128,7 @@ def bytes_rows(lengths: list[int], bits: list[int], budget: float, residual: int
             model(tokens[None, :length], past_key_values=cache, logits_to_keep=1)
             slots = max(cache.capacities())
             measured = cache.kv_nbytes()
-            predicted = fp32_per_token * slots if b is None else quantized_kv_bytes(model, slots, cache.codec)
+            predicted = held_kv_bytes(model, slots, cache.codec)
             out.append(
                 {
                     "length": length,

@@ -81,6 +81,18 @@ def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy)
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+def test_rolled_positions_stream_exactly(tiny_models, make_ids, policy) -> None:
+    whole, steps = _whole_and_steps(tiny_models("llama_gqa", torch.float64), make_ids(2, 40), policy, 4, rolling=True)
+    torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_sliding_window_layers_stream_exactly(tiny_models, make_ids, policy) -> None:
+    whole, steps = _whole_and_steps(tiny_models("gemma3", torch.float64), make_ids(2, 40), policy, 4)
+    torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
+
+
 class _ValueNorm(Policy):
     """Keeps the tokens whose values have the lowest norm (ties, e.g. one token id at two positions in the first
     layer, to the newest): reads ``slots.values`` at every eviction."""
@@ -103,16 +115,19 @@ def test_a_policy_reading_slot_values_must_declare_it(tiny_models, make_ids, mon
     assert not all(torch.equal(a, b) for a, b in zip(whole[1], steps[1], strict=True))
 
 
-def _whole_and_steps(model, ids, policy, bits):
+def _whole_and_steps(model, ids, policy, bits, rolling=False):
     """(logits, kept positions per layer) of one-pass streaming and of token-by-token feeding."""
 
     def run(stream: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        cache = kvsieve.make_cache(model, policy, 14, kv_bits=bits, group_size=8, residual=6, stream=stream)
+        cache = kvsieve.make_cache(
+            model, policy, 14, kv_bits=bits, group_size=8, residual=6, stream=stream, rolling=rolling
+        )
         with torch.inference_mode():
             if stream:
                 logits = model(ids, past_key_values=cache).logits
             else:
-                logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(48)], 1)
+                steps = range(ids.shape[1])
+                logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in steps], 1)
         return logits, [layer.held_positions().sort(dim=-1).values for layer in cache.layers]
 
     return run(True), run(False)

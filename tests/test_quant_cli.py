@@ -14,7 +14,7 @@ import torch
 
 from kvsieve.api import make_cache
 from kvsieve.benchmarks import profile
-from kvsieve.benchmarks.memory import quantized_kv_bytes
+from kvsieve.benchmarks.memory import held_kv_bytes
 from kvsieve.cli import main
 from kvsieve.engine.quant import KVQuant
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
@@ -142,7 +142,7 @@ def test_predicted_bytes_equal_the_cache(tiny_lm, make_ids, bits, residual) -> N
     with torch.inference_mode():
         model(make_ids(2, 40), past_key_values=cache)
     slots = max(cache.capacities())
-    predicted = quantized_kv_bytes(model, slots, KVQuant(bits, group_size=8, residual=residual), batch=2)
+    predicted = held_kv_bytes(model, slots, cache.codec, batch=2)
     assert cache.kv_nbytes() == predicted == 2 * _quant_bytes(slots, bits, residual)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from kvsieve.engine.quant import KVQuant
+from kvsieve.engine.quant import Codec
 
 MIB = 2**20
 
@@ -71,17 +71,14 @@ def full_kv_bytes_per_token(model: PreTrainedModel) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
 
 
-def quantized_kv_bytes(model: PreTrainedModel, slots: int, quant: KVQuant, batch: int = 1) -> int:
-    """K/V bytes of slots quantized as ``quant`` (:mod:`kvsieve.engine.quant`), ``slots`` per row, layer and KV head:
-    packed codes (``bits`` per element), a float16 scale and zero per group of ``group_size`` channels, and the
-    residual's exact copies of the ``residual`` newest tokens (plus one slot for padding; none when 0) in the model's
-    dtype; keys and values alike."""
+def held_kv_bytes(model: PreTrainedModel, slots: int, codec: Codec, batch: int = 1) -> int:
+    """K/V bytes of a cache whose every layer holds ``slots`` slots per row and KV head stored as ``codec`` (plain, or
+    quantized: codes, float16 scales and zeros, and the residual's exact copies; see :mod:`kvsieve.engine.quant`)."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    per_slot = head_dim * quant.bits // 8 + head_dim // quant.group_size * 2 * 2
-    ring = (quant.residual + 1) * head_dim * elem if quant.residual else 0
-    return 2 * batch * config.num_hidden_layers * config.num_key_value_heads * (slots * per_slot + ring)
+    dtype = next(model.parameters()).dtype
+    per_head = slots * codec.slot_bytes(head_dim, dtype) + codec.fixed_bytes(head_dim, dtype)
+    return batch * config.num_hidden_layers * config.num_key_value_heads * per_head
 
 
 def model_nbytes(model: PreTrainedModel) -> int:

@@ -23,7 +23,10 @@ Quantized slots (the choices, measured in the README's "Quantized slots" section
   Wikipedia, one-pass streaming perplexity (unquantized 20.01): 4-bit 20.67 without a residual, 19.98 with 16,
   20.04 with 32, 19.94 with 128; groups of 64 channels: 20.59 (residual 16), 20.36 (32); 8-bit 20.00 (groups of 64,
   no residual). 2-bit is where per-token keys fail (KIVI's finding): 159.7 without a residual, 37.4 with 32, 25.2
-  with 128.
+  with 128. Measured and not kept: dividing each key channel by a calibrated scale before coding (the channel's
+  absolute maximum over 512 tokens of another article, shared by each RoPE pair of channels; KIVI's per-channel
+  remedy in a form that composes with eviction): 2-bit / residual 32 149.4 (scale^0.5: 33.8), 2-bit without a
+  residual 417.3 (111.7), 4-bit without a residual 21.45 (20.92) — small gains at 2 bits, losses at 4.
 - Policies see the slots as the newest token does (:meth:`~kvsieve.engine.storage.SlotStore.view`): dequantized,
   the residual exact. A policy's per-slot state computed at storage (``initial_state``, e.g. knorm's key norm) uses
   the exact key.
@@ -63,6 +66,12 @@ class Codec(Protocol):
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         """The head dimension of the tokens held."""
 
+    def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one slot's key and value (one KV head)."""
+
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes held per (batch row, KV head) whatever the slots (the residual's exact copies)."""
+
 
 class Plain:
     """Keys and values held as they are (``keys``, ``values``): decoding is slicing."""
@@ -80,6 +89,12 @@ class Plain:
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         return kv["keys"].shape[-1]
+
+    def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * head_dim * dtype.itemsize
+
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 0
 
     def __repr__(self) -> str:
         return "Plain()"
@@ -144,6 +159,12 @@ class KVQuant:
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         return kv["codes"].shape[-1] * 4 * self.group_size // (self.bits * self.group_size + 32)
+
+    def slot_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * head_dim * self.bits // 8 + 2 * (2 * head_dim // self.group_size) * 2  # codes, fp16 scales, zeros
+
+    def fixed_bytes(self, head_dim: int, dtype: torch.dtype) -> int:
+        return (self.residual + 1) * 2 * head_dim * dtype.itemsize if self.residual else 0
 
 
 def split(both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

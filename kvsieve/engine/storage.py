@@ -77,8 +77,9 @@ class SlotStore:
     ) -> SlotStore:
         """Empty buffers for tokens like ``keys``/``values`` ``[B, H, q, D]``, with the per-slot ``state``."""
         bsz, heads = keys.shape[:2]
+        one = codec.encode(keys[:, :, :1], values[:, :, :1])  # (for the slot tensors' shapes and dtypes)
         return cls(
-            kv={name: t.new_empty((bsz, heads, 0, *t.shape[3:])) for name, t in codec.encode(keys, values).items()},
+            kv={name: t.new_empty((bsz, heads, 0, *t.shape[3:])) for name, t in one.items()},
             positions=torch.empty((bsz, heads, 0), dtype=torch.long, device=keys.device),
             state={
                 name: torch.zeros((bsz, heads, 0, *extra), dtype=dtype, device=keys.device)
@@ -86,7 +87,9 @@ class SlotStore:
             },
             limit=limit,
             codec=codec,
-            residual=Residual.empty(torch.cat([keys, values], dim=-1), codec.residual) if codec.residual else None,
+            residual=Residual.empty(torch.cat([keys[:, :, :1], values[:, :, :1]], -1), codec.residual)
+            if codec.residual
+            else None,
             dtype=keys.dtype,
         )
 

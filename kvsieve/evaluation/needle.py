@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -118,26 +118,45 @@ def run_needle(
         raise ValueError("need at least one length, one depth and one trial")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"depths must be in [0, 1], got {list(depths)}")
-    haystack_ids = tokenizer(haystack, add_special_tokens=False).input_ids
-    rng = random.Random(seed)
     cells = []
     total = len(lengths) * len(depths) * trials
     with tqdm(total=total, desc=f"needle {policy} ({question})", disable=not progress, leave=False) as bar:
-        for length in lengths:
-            for depth in depths:
-                answers, correct = [], 0
-                for _ in range(trials):
-                    key = rng.randrange(10000, 100000)
-                    offset = rng.randrange(0, max(1, len(haystack_ids) - length))
-                    prompt = build_prompt(tokenizer, haystack_ids, length, depth, key, offset)
-                    with torch.inference_mode():
-                        text = answer(model, tokenizer, prompt, policy, budget, question, **policy_kwargs)
-                    found = re.search(r"\d+", text)
-                    correct += int(found is not None and int(found.group()) == key)
-                    answers.append(text)
-                    bar.update()
-                cells.append(NeedleCell(length, depth, trials, correct, answers))
+        grid = passkey_prompts(tokenizer, haystack, lengths, depths, trials, seed)
+        for i, (length, depth, key, prompt) in enumerate(grid):
+            if i % trials == 0:
+                cells.append(NeedleCell(length, depth, trials, 0, []))
+            with torch.inference_mode():
+                text = answer(model, tokenizer, prompt, policy, budget, question, **policy_kwargs)
+            cells[-1].correct += passkey_found(text, key)
+            cells[-1].answers.append(text)
+            bar.update()
     return cells
+
+
+def passkey_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    haystack: str,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    seed: int = 0,
+) -> Iterator[tuple[int, float, int, str]]:
+    """``(length, depth, key, prompt)`` of each trial of the grid, length by length, depth by depth: distinct keys
+    and haystack offsets drawn from ``seed``."""
+    haystack_ids = tokenizer(haystack, add_special_tokens=False).input_ids
+    rng = random.Random(seed)
+    for length in lengths:
+        for depth in depths:
+            for _ in range(trials):
+                key = rng.randrange(10000, 100000)
+                offset = rng.randrange(0, max(1, len(haystack_ids) - length))
+                yield length, depth, key, build_prompt(tokenizer, haystack_ids, length, depth, key, offset)
+
+
+def passkey_found(answer: str, key: int) -> bool:
+    """Exact match: the first number in ``answer`` is ``key``."""
+    found = re.search(r"\d+", answer)
+    return found is not None and int(found.group()) == key
 
 
 def plot_needle(cells: Sequence[NeedleCell], path: str | Path, title: str = "") -> Path:

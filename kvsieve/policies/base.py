@@ -394,15 +394,3 @@ def in_position_order(pos: torch.Tensor, fn: Callable[..., torch.Tensor], *value
     order = pos.argsort(dim=-1, stable=True)
     result = fn(*(v.gather(-1, order) for v in values))
     return torch.empty_like(result).scatter_(-1, order, result)
-
-
-def rank_newer_first(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``[B, H, N]`` rank of each slot by ``score`` (0 = lowest), equal scores ranked by position (newer higher):
-    a priority for ``keep_scores`` whose ties do not depend on the slot layout."""
-
-    def rank(sorted_score: torch.Tensor) -> torch.Tensor:
-        ranking = sorted_score.argsort(dim=-1, stable=True)
-        ranks = torch.arange(score.shape[-1], device=score.device).expand_as(ranking)
-        return torch.empty_like(ranking).scatter_(-1, ranking, ranks).to(score.dtype)
-
-    return in_position_order(pos, rank, score)

@@ -14,7 +14,6 @@ from kvsieve.policies.base import (
     Slots,
     in_position_order,
     protect,
-    rank_newer_first,
     recent_mask,
     register,
 )
@@ -29,13 +28,18 @@ class SnapKVParams:
     """Width of the 1-D max-pooling over positions (odd; 1 = no pooling)."""
 
 
-def pool_by_position(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
-    """``[B, H, N]``: each slot's max of ``score`` over the ``kernel`` slots around it in position order."""
+def pooled_ranks(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``[B, H, N]``: each slot's rank (0 = lowest) by its max of ``score`` over the ``kernel`` slots around it in
+    position order, equal maxima ranked by position (newer higher): priorities whose ties do not depend on the slot
+    layout. Pooling and ranking share one pass in position order."""
 
-    def pool(ordered: torch.Tensor) -> torch.Tensor:
-        return F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
+    def ranked(ordered: torch.Tensor) -> torch.Tensor:
+        pooled = F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
+        ranking = pooled.argsort(dim=-1, stable=True)
+        ranks = torch.arange(pooled.shape[-1], device=pooled.device).expand_as(ranking)
+        return torch.empty_like(ranking).scatter_(-1, ranking, ranks).to(pooled.dtype)
 
-    return in_position_order(pos, pool, score)
+    return in_position_order(pos, ranked, score)
 
 
 @register
@@ -78,5 +82,4 @@ class SnapKV(Policy):
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         protected = recent_mask(slots.pos, slots.last, self.window)
         score = slots.state["score"].masked_fill(protected | (slots.pos < 0), float("-inf"))
-        pooled = pool_by_position(score, slots.pos, self.params.kernel)
-        return protect(rank_newer_first(pooled, slots.pos), protected)
+        return protect(pooled_ranks(score, slots.pos, self.params.kernel), protected)

@@ -1,13 +1,13 @@
 """A request's cache memory, known before it runs: what the server admits requests against.
 
 A request runs alone in its own :class:`~kvsieve.engine.cache.SieveCache` (batch 1). Each layer allocates slots
-of ``kv_heads × (2 × head_dim × dtype bytes + 8 + policy state bytes)``: the keys and values, the slot's original
-position (int64) and the policy's per-slot state; quantized slots (``kv_bits``) hold packed codes and float16
-scale/zero pairs instead of the keys and values, and each layer the residual's exact copies. The slot count follows
-the engine's growth rule (:func:`~kvsieve.engine.storage.grown_capacity`): a bounded layer never holds more than
-``budget + 1`` slots between steps; an unbounded one (``full``) grows with the tokens fed. The prefill of a prompt
-longer than a bounded layer's slots holds the prompt in one layer at a time, until that layer's eviction gathers it
-into ``budget + 1`` slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends.
+of ``kv_heads × (2 × head_dim × dtype bytes + 8 + policy state bytes)``: the keys and values (quantized slots: their
+codes, scales and zeros, plus the residual's exact copies per layer: :mod:`kvsieve.engine.quant`), the slot's
+original position (int64) and the policy's per-slot state. The slot count follows the engine's growth rule
+(:func:`~kvsieve.engine.storage.grown_capacity`): a bounded layer never holds more than ``budget + 1`` slots
+between steps; an unbounded one (``full``) grows with the tokens fed. The prefill of a prompt longer than a bounded
+layer's slots holds the prompt in one layer at a time, until that layer's eviction gathers it into ``budget + 1``
+slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from transformers import PreTrainedModel
 
 from kvsieve.engine.cache import SieveCache
-from kvsieve.engine.quant import KVQuant
 from kvsieve.engine.storage import grown_capacity
 
 POSITION_BYTES = torch.empty((), dtype=torch.long).element_size()
@@ -28,7 +27,8 @@ POSITION_BYTES = torch.empty((), dtype=torch.long).element_size()
 @dataclass(frozen=True)
 class Reservation:
     """Bytes a request's cache may hold: ``steady`` (every decode step), ``peak`` (during its prefill).
-    ``layout``: what another cache must share to decode in one batch with it (policy, parameters, budgets in tokens);
+    ``layout``: what another cache must share to decode in one batch with it (policy, parameters, budgets in tokens,
+    slot quantization);
     ``fixed``: every layer holds ``budget + 1`` slots once the request evicts, so its rows, padded to a batch's
     slots, never hold more than ``steady`` (otherwise the slots grow with the tokens fed)."""
 
@@ -52,11 +52,8 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
     ``max_tokens`` generated tokens (the last one is never fed back)."""
     policies = cache.plan.resolve(prompt_tokens)
     kv_heads, head_dim = kv_geometry(model)
-    kv_bytes, ring = 2 * head_dim * model.dtype.itemsize, 0
-    if isinstance(cache.codec, KVQuant):  # codes and float16 scale/zero per slot; the residual's ring per layer
-        quant = cache.codec
-        kv_bytes = 2 * (head_dim * quant.bits // 8 + head_dim // quant.group_size * 2 * 2)
-        ring = 2 * kv_heads * (quant.residual + 1) * head_dim * model.dtype.itemsize if quant.residual else 0
+    kv_bytes = cache.codec.slot_bytes(head_dim, model.dtype)
+    fixed_bytes = kv_heads * cache.codec.fixed_bytes(head_dim, model.dtype)
     fed = prompt_tokens + max_tokens - 1
     steady, transient, fixed = 0, 0, True
     for policy in policies:
@@ -64,7 +61,7 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
         slot = kv_heads * (kv_bytes + POSITION_BYTES + state)
         limit = policy.budget + 1 if policy.bounded else math.inf
         capacity = final_capacity(prompt_tokens, fed, limit)
-        steady += capacity * slot + POSITION_BYTES + ring  # (+ the row's newest position)
+        steady += capacity * slot + POSITION_BYTES + fixed_bytes  # (+ the row's newest position)
         fixed &= capacity == limit
         if prompt_tokens > limit:
             transient = max(transient, prompt_tokens * slot)
