@@ -243,17 +243,23 @@ def test_eviction_overhead_checks_from_cells():
         _cell("streaming_llm", 2048, _vs(1.03)),
         _cell("local", 256, _vs(9.0), gen=32),  # holds fewer tokens than the budget: no check counts it
     ]
-    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True] * 5
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True] * 5 + [None]
+    # Quantized slots: their own bound against the floor (1.3x), out of the others' (step, bytes: ~1/4 of plain).
+    cells.append(_cell("streaming_llm:kv_bits=4", 2048, _vs(1.25), kv_bytes=4000, state_bytes=5))
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True] * 6
+    cells[-1].ratios["vs_floor"]["step_ms_p50"] = 1.35
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True] * 5 + [False]
+    cells.pop()
     cells[1].kv_bytes = 512 * 1000 * 103 // 100
     cells[1].ratios["vs_dynamic_full"]["decode_tok_s"] = 1.5
     cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.05
-    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True, False, True, False, False]
+    assert [c.passed for c in eviction_overhead.evaluate_checks(cells)] == [True, False, True, False, False, None]
     cells[4].ratios["vs_floor"]["step_ms_p50"] = 1.09  # over every policy's bound too
     cells[1].ratios["vs_dynamic_full"]["prefill_s"] = 1.2  # an observing policy's prefill over 1.15x sdpa's
     assert [c.passed for c in eviction_overhead.evaluate_checks(cells)][:3] == [False, False, False]
     cells[1].rss_growth_mb = 2000.0  # 10x the growth at 2048 tokens for 3.9x the tokens: superlinear
     assert eviction_overhead.evaluate_checks(cells)[2].passed is False
-    assert [c.passed for c in eviction_overhead.evaluate_checks([])] == [None] * 5
+    assert [c.passed for c in eviction_overhead.evaluate_checks([])] == [None] * 6
 
 
 def test_eviction_overhead_preset_runs_its_cells_at_batch_1(tiny):
@@ -325,5 +331,5 @@ def test_cli_bench_json(capsys):
     for c in result["cells"]:
         assert all(key in c for key in REQUIRED)
         assert (c["prompt_tokens"], c["gen_tokens"], c["batch"]) == (32, 4, 1)
-    assert len(result["checks"]) == 5
+    assert len(result["checks"]) == 6
     assert "checks of the eviction-overhead preset:" in report.format_report(result)

@@ -14,7 +14,7 @@ from kvsieve.benchmarks.defaults import DEFAULT_BUDGET, DEFAULT_REPEATS
 from kvsieve.benchmarks.memory import MIB, available_bytes, full_kv_bytes_per_token
 from kvsieve.benchmarks.runner import REFERENCES, Cell, GridPoint, Run, measure_round, prompt_rows, summarize
 from kvsieve.engine.budget import Budget, resolve_budget
-from kvsieve.policies import REGISTRY
+from kvsieve.policies import resolve_spec
 
 MEM_SHARE = 0.5
 """A grid point is skipped when the full cache alone would take more than this share of the available memory."""
@@ -42,6 +42,15 @@ def pair_lengths(prompts: Sequence[int], gens: Sequence[int]) -> list[tuple[int,
     )
 
 
+def check_policies(policies: Sequence[str]) -> list[str]:
+    """``policies`` as given, each a reference (``dynamic_full``, ``floor``), a registered policy or a spec
+    (``"h2o:kv_bits=4"``); an unknown name or a bad parameter is an error."""
+    for name in policies:
+        if name not in REFERENCES:
+            resolve_spec(name)
+    return list(policies)
+
+
 def make_plan(
     lengths: Sequence[tuple[int, int]], batches: Sequence[int], policies: Sequence[str]
 ) -> list[tuple[GridPoint, list[str]]]:
@@ -51,10 +60,7 @@ def make_plan(
             raise ValueError(f"need prompts of at least 1 token and at least 2 generated tokens, got {prompt}+{gen}")
     if not batches or min(batches) < 1:
         raise ValueError(f"batch sizes must be positive, got {list(batches)}")
-    for name in policies:
-        if name not in REGISTRY and name not in REFERENCES:
-            raise ValueError(f"unknown policy {name!r}; available: {', '.join([*REFERENCES, *REGISTRY])}")
-    names = [*REFERENCES, *(p for p in dict.fromkeys(policies) if p not in REFERENCES)]
+    names = [*REFERENCES, *(p for p in dict.fromkeys(check_policies(policies)) if p not in REFERENCES)]
     return [(GridPoint(p, g, b), names) for p, g in lengths for b in batches]
 
 

@@ -13,6 +13,8 @@ import numpy as np
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from kvsieve.engine.quant import Codec
+
 MIB = 2**20
 
 
@@ -67,6 +69,16 @@ def full_kv_bytes_per_token(model: PreTrainedModel) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
+
+
+def held_kv_bytes(model: PreTrainedModel, slots: int, codec: Codec, batch: int = 1) -> int:
+    """K/V bytes of a cache whose every layer holds ``slots`` slots per row and KV head stored as ``codec`` (plain, or
+    quantized: codes, float16 scales and zeros, and the residual's exact copies; see :mod:`kvsieve.engine.quant`)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    per_head = slots * codec.slot_bytes(head_dim, dtype) + codec.fixed_bytes(head_dim, dtype)
+    return batch * config.num_hidden_layers * config.num_key_value_heads * per_head
 
 
 def model_nbytes(model: PreTrainedModel) -> int:

@@ -47,7 +47,7 @@ from kvsieve.api import make_cache, use_kvsieve_attention
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.benchmarks.memory import MIB, kv_nbytes, reset_peak_rss, rss_bytes
 from kvsieve.engine.cache import SieveCache
-from kvsieve.policies import REGISTRY
+from kvsieve.policies import get_policy
 
 DYNAMIC, FLOOR = "dynamic_full", "floor"
 REFERENCES = (DYNAMIC, FLOOR)
@@ -176,8 +176,11 @@ def measure(model: PreTrainedModel, policy: str, budget_tokens: int, ids: torch.
 
 
 def _held_bytes(cache: Cache) -> tuple[int, int]:
-    """Key/value bytes and policy-state bytes (positions included) the cache holds."""
-    return kv_nbytes(cache), cache.state_nbytes() if isinstance(cache, SieveCache) else 0
+    """Key/value bytes (a kvsieve cache's own count: codes, scales and residual when quantized) and policy-state
+    bytes (positions included) the cache holds."""
+    if isinstance(cache, SieveCache):
+        return cache.kv_nbytes(), cache.state_nbytes()
+    return kv_nbytes(cache), 0
 
 
 @dataclass
@@ -232,7 +235,7 @@ def summarize(
     prefill = statistics.median(r.prefill_s for r in runs)
     decode = statistics.median(r.decode_s for r in runs)
     steps = point.batch * (point.gen - 1)
-    bounded = policy == FLOOR or (policy in REGISTRY and REGISTRY[policy].takes_budget())
+    bounded = policy == FLOOR or (policy != DYNAMIC and get_policy(policy).takes_budget())
     return Cell(
         policy=policy,
         budget_tokens=budget_tokens if bounded else None,

@@ -10,12 +10,36 @@ from pathlib import Path
 from typing import Any
 
 
+def _quant(args: argparse.Namespace) -> dict[str, int]:
+    """``--kv-bits``, ``--group-size`` and ``--kv-residual`` as policy-spec keys (checked; none given: ``{}``)."""
+    from kvsieve.engine.quant import kv_quant
+
+    options = (("kv_bits", args.kv_bits), ("group_size", args.group_size), ("residual", args.kv_residual))
+    given = {key: value for key, value in options if value is not None}
+    if given and args.kv_bits is None:
+        raise ValueError("--group-size and --kv-residual apply to quantized slots only: give --kv-bits too")
+    kv_quant(**given)
+    return given
+
+
+def _spec(args: argparse.Namespace, policy: str | None = None) -> str:
+    """``policy`` (default ``--policy``) as a spec with the quantization options added (see :func:`_quant`)."""
+    from kvsieve.policies import with_spec_keys
+
+    return with_spec_keys(policy or args.policy, _quant(args), "as --kv-bits/--group-size/--kv-residual")
+
+
+def _specs(args: argparse.Namespace) -> list[str]:
+    """``--policies``, each with the quantization options added (see :func:`_quant`)."""
+    return [_spec(args, policy) for policy in args.policies]
+
+
 def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``-p`` parameters checked and typed by ``--policy``'s ``Params`` (with the spec's own, if ``--policy``
     is a spec): called before any model loads."""
     from kvsieve.policies import get_policy, resolve_spec
 
-    resolve_spec(args.policy, dict(args.param))
+    resolve_spec(_spec(args), dict(args.param))
     return get_policy(args.policy).parse_params(**dict(args.param))
 
 
@@ -64,14 +88,14 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         model,
         tokenizer,
         prompt,
-        policy=args.policy,
+        policy=_spec(args),
         budget=args.budget,
         max_new_tokens=args.max_new_tokens,
         policy_kwargs=policy_kwargs,
         schedule=args.schedule,
     )
     return {
-        "policy": args.policy,
+        "policy": _spec(args),
         "budget_tokens": out.budget_tokens,
         "prompt_tokens": out.prompt_tokens[0],
         "generated_tokens": out.generated_tokens[0],
@@ -89,6 +113,8 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
     if any(not q.strip() for q in args.question):
         raise ValueError("every --question must be non-empty")
     if args.load:
+        if _quant(args):
+            raise ValueError("a saved context keeps the quantization it was compressed with: drop --kv-bits")
         if not Path(args.load).is_file():
             raise FileNotFoundError(f"no saved context at {args.load}")
         model, tokenizer = _load(args)
@@ -101,7 +127,7 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
             model,
             tokenizer,
             context,
-            policy=args.policy,
+            policy=_spec(args),
             budget=args.budget,
             decode_budget=args.decode_budget,
             schedule=args.schedule,
@@ -124,14 +150,14 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation.perplexity import stream_perplexity
 
-    policy_kwargs = _policy_kwargs(args)
+    policy, policy_kwargs = _spec(args), _policy_kwargs(args)
     text = _text(args)
     model, tokenizer = _load(args)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     result, _ = stream_perplexity(
         model,
         ids,
-        args.policy,
+        policy,
         args.budget,
         prefill=args.prefill,
         engine=args.engine,
@@ -145,7 +171,7 @@ def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
         from kvsieve.evaluation.plots import plot_stream_curves
 
         plot_stream_curves([result], args.plot, title=f"{args.model}, rolling={args.rolling}")
-    return result.to_dict()
+    return {**result.to_dict(), "policy": policy}
 
 
 def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,28 +187,29 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
         lengths=args.lengths,
         depths=args.depths,
         trials=args.trials,
-        policy=args.policy,
+        policy=_spec(args),
         budget=args.budget,
         progress=not args.json,
         question=args.question,
         **policy_kwargs,
     )
     if args.plot:
-        plot_needle(cells, args.plot, title=f"{args.policy}, budget {args.budget}, question-{args.question}")
+        plot_needle(cells, args.plot, title=f"{_spec(args)}, budget {args.budget}, question-{args.question}")
     cells = [c.to_dict() for c in cells]
-    return {"policy": args.policy, "budget": args.budget, "question": args.question, "cells": cells}
+    return {"policy": _spec(args), "budget": args.budget, "question": args.question, "cells": cells}
 
 
 def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation.compare import compare
 
+    policies = _specs(args)
     text = _text(args)
     model, tokenizer = _load(args)
     rows = compare(
         model,
         tokenizer,
         text,
-        policies=args.policies,
+        policies=policies,
         budget=args.budget,
         max_tokens=args.max_tokens,
         sample_tokens=args.sample_tokens,
@@ -194,20 +221,22 @@ def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.benchmarks.bench import benchmark
-    from kvsieve.benchmarks.grid import pair_lengths
+    from kvsieve.benchmarks.grid import check_policies, pair_lengths
     from kvsieve.benchmarks.profile import PROFILE_PROMPT, profile_decode
     from kvsieve.benchmarks.runner import prompt_tokens
 
     lengths = pair_lengths(args.prompt_lens, args.gen_lens)
+    policies = check_policies(_specs(args))
+    profiled = check_policies([_spec(args, args.profile)])[0] if args.profile else None
     model, tokenizer = _load(args)
-    if args.profile:
-        return {"profile": profile_decode(model, prompt_tokens(tokenizer, PROFILE_PROMPT))}
+    if profiled is not None:
+        return {"profile": profile_decode(model, prompt_tokens(tokenizer, PROFILE_PROMPT), policy=profiled)}
     return benchmark(
         model,
         tokenizer,
         lengths=lengths,
         batches=args.batches,
-        policies=args.policies,
+        policies=policies,
         budget=args.budget,
         repeats=args.repeats,
         preset=args.preset,
@@ -228,7 +257,7 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
     lm = KVSieveLM(
         model=model,
         tokenizer=tokenizer,
-        policy=args.policy,
+        policy=_spec(args),
         budget=args.budget,
         protocol=args.protocol,
         question=args.question,
@@ -237,7 +266,7 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
     )
     result = evaluate_xsum(lm, args.limit, args.max_new_tokens, progress=not args.json).to_dict()
     samples = result.pop("samples")
-    settings = {"policy": args.policy, "budget": args.budget, "protocol": args.protocol, "question": args.question}
+    settings = {"policy": _spec(args), "budget": args.budget, "protocol": args.protocol, "question": args.question}
     return {**settings, **result, "first": samples[0]}
 
 
@@ -268,7 +297,7 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
     result = sweep.run_sweep(
         args.out,
         args.tasks,
-        args.policies or sweep.DEFAULT_POLICIES,
+        [_spec(args, policy) for policy in args.policies or sweep.DEFAULT_POLICIES],
         args.budgets or sweep.DEFAULT_BUDGETS,
         settings=sweep.Settings(
             model=args.model,
@@ -349,7 +378,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"{missing}: pip install 'kvsieve[serve]'") from None
     if args.schedule != "uniform":
         raise ValueError("the server shares budgets uniformly; a request may carry schedule= in its kv_policy spec")
-    defaults = KVSpec(args.policy, args.budget, _policy_kwargs(args))
+    defaults = KVSpec(_spec(args), args.budget, _policy_kwargs(args))
     model, tokenizer = _load(args)
     app = build_app(
         model,

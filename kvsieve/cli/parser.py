@@ -94,6 +94,21 @@ def _policy_args(parser: argparse.ArgumentParser, policy_default: str = "h2o") -
         help="policy parameter, repeatable (e.g. -p recent=64)",
     )
     _schedule_arg(parser)
+    _quant_args(parser)
+
+
+def _quant_args(parser: argparse.ArgumentParser) -> None:
+    quant = parser.add_argument_group("quantized slots (any policy; default: keys and values as the model computes)")
+    quant.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(2, 4, 8),
+        help="store keys and values as packed 8/4/2-bit codes with float16 scale/zero per group",
+    )
+    quant.add_argument("--group-size", type=POSITIVE_INT, help="channels per scale/zero pair (default 32)")
+    quant.add_argument(
+        "--kv-residual", type=NON_NEGATIVE_INT, help="newest tokens of each row also kept exactly (default 32)"
+    )
 
 
 def _question_arg(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--sample-tokens", type=POSITIVE_INT, default=32, help="greedy continuation length (decode speed)"
             )
             _schedule_arg(p)
+            _quant_args(p)
 
     p = sub.add_parser("bench", help="speed and memory of the policies vs DynamicCache and the no-eviction floor")
     _common(p)
@@ -258,7 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the floor and DynamicCache; stream-engine: every policy's whole-sequence stream vs one forward per token",
     )
     p.add_argument("--mem-cap-gb", type=POSITIVE, help="also the largest batch under this memory, full vs each policy")
-    p.add_argument("--profile", action="store_true", help="only profile h2o decode steps (budget 512, 2048 prompt)")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        const="h2o",
+        metavar="POLICY",
+        help="only profile decode steps of POLICY (default h2o; budget 512, 2048-token prompt)",
+    )
+    _quant_args(p)
 
     p = sub.add_parser("xsum", help="ROUGE-1/2/L of XSum summaries generated under a bounded cache")
     _common(p)
@@ -284,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--report", action="store_true", help="compute nothing: tables and plots of the finished cells (others: —)"
     )
+    _quant_args(p)
     _ray_args(p)
 
     p = sub.add_parser(

@@ -80,10 +80,11 @@ def compare(
         result, cache = stream_perplexity(model, ids, name, budget, progress=progress, schedule=schedule)
         sample, speed = greedy_continue(model, cache, ids[:, -1:].to(model.device), sample_tokens)
         results.append((result, sample, speed))
+    # A row is named by the policy as given ("h2o" and "h2o:kv_bits=4" are two rows); the reference is the first full.
     full_ppl = next((r.ppl for r, _, _ in results if r.policy == "full"), None)
     return [
         CompareRow(
-            policy=r.policy,
+            policy=name,
             budget_tokens=r.budget_tokens,
             tokens_scored=r.tokens_scored,
             ppl=r.ppl,
@@ -94,7 +95,7 @@ def compare(
             decode_tok_s=speed,
             sample=tokenizer.decode(sample, skip_special_tokens=True),
         )
-        for r, sample, speed in results
+        for name, (r, sample, speed) in zip(policies, results, strict=True)
     ]
 
 

@@ -12,8 +12,10 @@ protocol=stream --tasks kvsieve_social_iqa --limit 10`` (every argument is lm-ev
 
 Model arguments: ``pretrained`` (built-in name, local directory or HF id), ``policy``, ``budget`` (a ratio of each
 request's length, e.g. ``0.2`` or ``20%``, or a token count such as ``64``; write ``1.0`` for 100 %),
-``protocol``, ``question``, ``batch_size``, ``dtype``; any other argument is a policy parameter (``recent=16``).
-The device comes from lm-eval's ``--device`` (its default ``cuda:0`` falls back to the CPU when there is no GPU).
+``protocol``, ``question``, ``batch_size``, ``dtype``; ``kv_bits`` (8, 4 or 2), ``group_size`` and ``residual``
+quantize the slots (:mod:`kvsieve.engine.quant`; also as keys of a ``policy`` spec); any other argument is a policy
+parameter (``recent=16``). The device comes from lm-eval's ``--device`` (its default ``cuda:0`` falls back to the
+CPU when there is no GPU).
 
 Budgets follow the H2O protocol: a ratio is resolved per request, ``round(ratio · (context + continuation))``
 tokens for scoring, ``round(ratio · (context + max_gen_toks))`` for generation, before the cache is built.
@@ -38,7 +40,8 @@ measures compression that never sees the continuation, not one that keeps the qu
 the request's context, ``round(ratio · context)`` tokens (kvpress's convention: of the compressed context, not of
 what follows). ``loglikelihood_rolling`` requests (perplexity tasks) have no context to compress and are refused.
 
-Requests whose budget can never be exceeded are computed with the ``full`` cache (the same result, faster).
+Requests whose budget can never be exceeded are computed with the ``full`` cache (the same result, faster; its
+slots quantized alike).
 Requests with equal budgets are batched (left padding; positions are per-row real-token indices), and requests
 that share their context (the choices of a multiple-choice question) share its computation: the context is fed
 once and the cache rows are copied for each continuation, which gives the same logits.
@@ -61,6 +64,7 @@ from kvsieve.api import make_cache
 from kvsieve.engine.budget import Budget, parse_budget, resolve_budget
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.plan import SAME
+from kvsieve.engine.quant import kv_quant
 from kvsieve.evaluation.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_GEN_TOKS,
@@ -103,6 +107,7 @@ class KVSieveLM(TemplateLM):
         check_question(question, protocol)
         # typed; fails early on a bad one. ``policy`` may be a spec ("ahakv:sgs=false,schedule=increasing").
         self.policy, self.policy_kwargs, self.schedule, self.quant = resolve_spec(policy, policy_kwargs)
+        kv_quant(**self.quant)
         self.budget = parse_budget(budget)
         self.protocol = protocol
         self.question = question
@@ -209,10 +214,11 @@ class KVSieveLM(TemplateLM):
         return self.evicting_budget(context if self.question == "agnostic" else context + more)
 
     def _cache(self, budget: int | None) -> SieveCache:
-        """A cache for requests under ``budget`` (None: the full cache); streamed under the ``stream`` protocol,
-        growing without bound after the compressed context under ``question=agnostic``."""
+        """A cache for requests under ``budget`` (None: the full cache, its slots quantized all the same when
+        ``kv_bits`` is set); streamed under the ``stream`` protocol, growing without bound after the compressed
+        context under ``question=agnostic``."""
         if budget is None:
-            return make_cache(self.model, "full", None)
+            return make_cache(self.model, "full", None, **self.quant)
         return make_cache(
             self.model,
             self.policy,

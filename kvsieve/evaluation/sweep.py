@@ -67,7 +67,7 @@ from kvsieve.evaluation.defaults import (
     check_question,
 )
 from kvsieve.evaluation.tasks import task_name
-from kvsieve.policies import get_policy, resolve_spec
+from kvsieve.policies import get_policy, join_spec, resolve_spec
 
 if TYPE_CHECKING:
     from kvsieve.evaluation.lm_eval_model import KVSieveLM
@@ -95,9 +95,10 @@ class Cell:
     budget: Budget
 
     def computed_as(self) -> Cell:
-        """The cell actually computed: ``full`` for the ``full`` policy and for a ratio of 1.0."""
+        """The cell actually computed: ``full`` for the ``full`` policy and for a ratio of 1.0 (with the policy's slot
+        quantization, if any: ``"full:kv_bits=4"``)."""
         if not get_policy(self.policy).bounded or (isinstance(self.budget, float) and self.budget == 1.0):
-            return Cell(self.task, "full", 1.0)
+            return Cell(self.task, join_spec("full", resolve_spec(self.policy)[3]), 1.0)
         return self
 
     @property

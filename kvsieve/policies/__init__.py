@@ -49,6 +49,24 @@ def split_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip(), params
 
 
+def join_spec(name: str, params: dict[str, Any]) -> str:
+    """``("h2o", {"kv_bits": 4})`` → ``"h2o:kv_bits=4"``: the spec :func:`split_spec` splits (a bare name without
+    parameters)."""
+    return ":".join([name, ",".join(f"{key}={value}" for key, value in params.items())]) if params else name
+
+
+def with_spec_keys(spec: str, keys: dict[str, Any], given_as: str = "separately") -> str:
+    """``spec`` with ``keys`` added (``"ahakv:sgs=false"`` + ``{"kv_bits": 4}`` → ``"ahakv:sgs=false,kv_bits=4"``);
+    a key already in ``spec`` is an error saying it was also given ``given_as``."""
+    if not keys:
+        return spec
+    name, params = split_spec(spec)
+    twice = sorted(params.keys() & keys.keys())
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given both in {spec!r} and {given_as}")
+    return join_spec(name, {**params, **keys})
+
+
 def get_policy(name: str | type[Policy]) -> type[Policy]:
     """The policy class registered under ``name`` or named by a policy spec (a class is returned as is)."""
     if isinstance(name, type) and issubclass(name, Policy):
@@ -89,6 +107,8 @@ __all__ = [
     "Policy",
     "Slots",
     "get_policy",
+    "join_spec",
     "resolve_spec",
     "split_spec",
+    "with_spec_keys",
 ]
