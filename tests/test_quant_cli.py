@@ -128,11 +128,12 @@ def _slots(plain_bytes: int) -> int:
 
 
 def _quant_bytes(slots: int, bits: int, residual: int) -> int:
-    """The tiny Llama's quantized K/V bytes, written out: codes, float16 scale/zero per group of 8, the fp32 ring."""
+    """The tiny Llama's quantized K/V bytes per batch row, written out: codes, float16 scale/zero per group of 8, the
+    fp32 ring and its int64 mark (3 layers, 2 KV heads, keys and values of 16 channels)."""
     codes = slots * 16 * bits // 8
     scales = slots * (16 // 8) * 2 * 2
     ring = (residual + 1) * 16 * 4 if residual else 0
-    return 3 * 2 * 2 * (codes + scales + ring)
+    return 3 * (2 * 2 * (codes + scales + ring) + (8 if residual else 0))
 
 
 @pytest.mark.parametrize(("bits", "residual"), [(8, 0), (4, 32), (2, 5)])

@@ -77,8 +77,9 @@ def held_kv_bytes(model: PreTrainedModel, slots: int, codec: Codec, batch: int =
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
-    per_head = slots * codec.slot_bytes(head_dim, dtype) + codec.fixed_bytes(head_dim, dtype)
-    return batch * config.num_hidden_layers * config.num_key_value_heads * per_head
+    kv_heads = config.num_key_value_heads
+    per_row = kv_heads * slots * codec.slot_bytes(head_dim, dtype) + codec.fixed_bytes(head_dim, dtype, kv_heads)
+    return batch * config.num_hidden_layers * per_row
 
 
 def model_nbytes(model: PreTrainedModel) -> int:
