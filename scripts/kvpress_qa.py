@@ -37,13 +37,12 @@ from typing import Any
 
 from kvpress_side_by_side import (  # (the sibling script: a script's directory is on its path)
     COMPRESSION_RATIO,
-    DEFAULT_VENV,
     DYNAMIC,
     KVPRESS_REQUIREMENT,
     PRESS_NAMES,
-    ROOT,
     SIDES,
     WorkerProcess,
+    add_shared_args,
     build_venv,
     default_model_dir,
     git_head,
@@ -108,14 +107,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0, help="passkeys and haystack offsets (default 0)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="answer tokens at most (default 24)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on each side (default 1)")
-    parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="the rows to run (default all)"
-    )
-    parser.add_argument("--model", type=Path, help="model directory (default: the built-in smollm2-135m copy)")
-    parser.add_argument("--kvpress-venv", type=Path, default=DEFAULT_VENV, help="kvpress's virtualenv")
-    parser.add_argument("--build-venv", action="store_true", help="create the kvpress virtualenv if it is missing")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "kvpress_qa", help="where the JSON and table go")
+    add_shared_args(parser, METHODS, "kvpress_qa")
     return parser.parse_args(argv)
 
 

@@ -105,15 +105,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, help="prompt tokens (default 2048; 512 with --quick)")
     parser.add_argument("--steps", type=int, help="decode steps after the prefill (default 256; 32 with --quick)")
     parser.add_argument("--rounds", type=int, help="rounds, each running both sides once (default 3; 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
+    add_shared_args(parser, METHODS, "kvpress")
+    return parser.parse_args(argv)
+
+
+def add_shared_args(parser: argparse.ArgumentParser, methods: Sequence[str], out: str) -> None:
+    """The arguments every side-by-side script takes: threads, its ``methods``, the model, kvpress's virtualenv and
+    the output directory (``out/<out>``)."""
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on each side (default 1)")
     parser.add_argument(
-        "--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="the rows to run (default all)"
+        "--methods", nargs="+", choices=list(methods), default=list(methods), help="the rows to run (default all)"
     )
     parser.add_argument("--model", type=Path, help="model directory (default: the built-in smollm2-135m copy)")
     parser.add_argument("--kvpress-venv", type=Path, default=DEFAULT_VENV, help="kvpress's virtualenv")
     parser.add_argument("--build-venv", action="store_true", help="create the kvpress virtualenv if it is missing")
-    parser.add_argument("--out", type=Path, default=ROOT / "out" / "kvpress", help="where the JSON and table go")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / out, help="where the JSON and table go")
 
 
 def check_args(args: argparse.Namespace) -> Settings:
