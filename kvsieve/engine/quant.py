@@ -9,16 +9,19 @@ Quantized slots (the choices, measured in the README's "Quantized slots" section
   receives the next token, whose key would be coded with the old group's scale (clipped) or the whole group coded
   again. Per-token groups make every slot independent: eviction, the stale-slot write, gathers and batch operations
   move codes like any other per-slot tensor.
-- **Codes** are ``uint8``, ``8 / bits`` codes per byte (planar: byte ``j`` holds elements ``j``, ``j + D·bits/8``,
-  …, the first in the low bits); **scale and zero** are float16, one pair per group. A token's key and value are
-  coded as one vector (one pass for both; groups never straddle them). The zero (the group minimum) is rounded
+- **Codes** are ``uint8``, ``8 / bits`` codes per byte (planar: with ``W`` code bytes per token, byte ``j`` holds
+  elements ``j``, ``j + W``, …, the first in the low bits); **scale and zero** are float16, one pair per group. A
+  token's key and value are coded as one vector (one pass for both; groups never straddle them), its codes, scales
+  and zeros one byte row of its slot. The zero (the group minimum) is rounded
   down and the scale up to float16, so the group's range is covered: every element is within ``scale / 2`` of its
   dequantized value.
 - **Residual.** The ``residual`` newest positions of each row also keep exact copies (a ring indexed by position
   modulo ``residual``, in the model's dtype, plus one slot that receives padding): a query at position ``p`` reads
   the token at ``x`` exactly when ``p - x < residual``, dequantized otherwise. It is a rule by positions, so a
   step's tokens see one another as if fed one at a time, and streaming a sequence in one pass stays equal to feeding
-  it token by token. Tokens are quantized when stored (once; nothing is coded again later).
+  it token by token. A step of several tokens codes them when it stores them; a token fed alone is stored without
+  codes and coded from its exact copy once the oldest such token leaves the residual, ``residual`` tokens at a time
+  (codes depend on the token alone, so when they are made changes nothing; tokens are never coded again).
 - **Defaults** (``group_size=32``, ``residual=16``), measured on SmolLM2-135M (fp32), h2o at 20 % of 1,024 tokens of
   Wikipedia, one-pass streaming perplexity (unquantized 20.01): 4-bit 20.67 without a residual, 19.98 with 16,
   20.04 with 32, 19.94 with 128; groups of 64 channels: 20.59 (residual 16), 20.36 (32); 8-bit 20.00 (groups of 64,
