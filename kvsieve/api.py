@@ -55,12 +55,10 @@ def make_cache(
     :mod:`kvsieve.engine.quant`); any policy. Switches the model to kvsieve's attention implementation (see
     :func:`use_kvsieve_attention`).
     """
-    cls, kwargs, schedule, from_spec = resolve_spec(policy, policy_kwargs, schedule)
     given = {"kv_bits": kv_bits, "group_size": group_size, "residual": residual}
-    twice = sorted(key for key, value in given.items() if value is not None and key in from_spec)
-    if twice:
-        raise ValueError(f"{', '.join(twice)} given both in {policy!r} and separately")
-    quant = kv_quant(**{key: value for key, value in given.items() if value is not None}, **from_spec)
+    given = {key: value for key, value in given.items() if value is not None}
+    cls, kwargs, schedule, quant_keys = resolve_spec(policy, {**policy_kwargs, **given}, schedule)
+    quant = kv_quant(**quant_keys)
     params = cls.Params(**kwargs)
     weights = None
     if cls.takes_budget():
