@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
 from kvsieve.engine.plan import PolicyPlan, StepMemo
-from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, past
 from kvsieve.engine.rope import Rotary, ranks
 from kvsieve.engine.scan import run_length, scan, scannable
 from kvsieve.engine.slot_attention import AttentionArgs, Exact, Visibility, fused_attention, observed_attention
@@ -290,9 +290,7 @@ class SieveLayer(CacheLayerMixin):
             used=positions.shape[2],
             may_hold_padding=bool(counters["may_hold_padding"]),
             codec=codec,
-            residual=Residual(tensors["residual"], codec.residual, positions.amax(dim=(1, 2)).add(1).clamp(min=0))
-            if residual
-            else None,
+            residual=Residual(tensors["residual"], codec.residual, past(positions)) if residual else None,
             dtype=self.dtype,
         )
         self.newest = tensors["newest"]

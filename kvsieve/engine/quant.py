@@ -154,8 +154,7 @@ class KVQuant:
     def decode_both(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> torch.Tensor:
         """Keys and values of the first ``n`` slots as one ``[B, H, n, 2·D]`` tensor."""
         row = kv["codes"][:, :, :n]
-        width = row.shape[-1] * 8 * self.group_size // (self.bits * self.group_size + 32)  # (2·D)
-        end = width * self.bits // 8
+        end = 2 * self.head_dim(kv) * self.bits // 8  # (the codes' bytes)
         scales = row[..., end:].view(torch.float16)  # (2·D / group_size scales, then as many zeros)
         scale, zero = scales.tensor_split(2, dim=-1)
         return dequantize(row[..., :end], scale, zero, self.bits, dtype)
@@ -300,6 +299,11 @@ class Residual:
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes + self.coded.nbytes
+
+
+def past(pos: torch.Tensor) -> torch.Tensor:
+    """``[B]``: one past each row's newest position in ``pos`` ``[B, H, n]`` (``n > 0``; 0 for a row of padding)."""
+    return pos.amax(dim=(1, 2)).add(1).clamp_(min=0)
 
 
 def recent(pos: torch.Tensor, last: torch.Tensor, residual: int) -> torch.Tensor:

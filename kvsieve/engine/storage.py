@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, recent, split
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, past, recent, split
 from kvsieve.policies import Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
@@ -174,7 +174,7 @@ class SlotStore:
                 exact = ring.read(pos[:, :, : self.used])
                 _put([(exact, both)], stale, start, self.used)
                 ring.write(both, positions)
-                ring.coded = torch.maximum(ring.coded, positions[:, 0].amax(dim=-1) + 1)  # (coded above)
+                ring.coded = torch.maximum(ring.coded, past(positions))  # (coded above)
             self.step = StepKV(decoded, exact)
         return start
 
@@ -188,7 +188,9 @@ class SlotStore:
         with torch.inference_mode():  # (also when a saved context is exported: codes are never differentiated)
             pos, held = self.positions[:, :, : self.used], self.kv["codes"][:, :, : self.used]
             if upto is None:  # (every held token: those to come are newer than the newest held)
-                upto = pos.amax(dim=(1, 2)).add_(1).clamp_(min=0) if self.used else ring.coded
+                upto = past(pos) if self.used else ring.coded
+            if not bool((upto > ring.coded).any()):  # (nothing pending: the usual case of a step of several)
+                return
             pending = (pos >= ring.coded[:, None, None]) & (pos < upto[:, None, None])
             coded = self.codec.encode_both(ring.kv)["codes"].flatten(0, 2).index_select(0, ring.rows(pos))
             held.copy_(torch.where(pending[..., None], coded.view_as(held), held))
