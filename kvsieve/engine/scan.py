@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvsieve.engine.quant import recent
-from kvsieve.engine.slot_attention import AttentionArgs
+from kvsieve.engine.slot_attention import AttentionArgs, weighted_values
 from kvsieve.policies import Observation, Slots
 from kvsieve.policies.base import protect
 
@@ -146,18 +146,14 @@ class _RunKV:
 
     def output(self, probs: torch.Tensor) -> torch.Tensor:
         """``[B, Hq, c, D]`` (flattened over heads and queries) from the probabilities ``[B, Hkv, G, c, N]``."""
-        bsz, heads, n = probs.shape[0], probs.shape[1], probs.shape[-1]
+
+        def folded(values: torch.Tensor) -> torch.Tensor:
+            return values.reshape(-1, *values.shape[2:])
+
         weights = probs.to(self.values.dtype)
-
-        def product(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-            return torch.bmm(w.reshape(bsz * heads, -1, n), values.reshape(bsz * heads, n, -1))
-
         if self.band is None:
-            return product(weights, self.values)
-        band = self.band[:, :, None]
-        return product(torch.where(band, 0, weights), self.values) + product(
-            torch.where(band, weights, 0), self.exact_values
-        )
+            return weighted_values(weights, folded(self.values))
+        return weighted_values(weights, folded(self.values), folded(self.exact_values), self.band[:, :, None])
 
 
 def _decide(

@@ -77,6 +77,25 @@ class Visibility:
     the slots up to its own last token only (the later ones are invisible to it), and observed over those only."""
 
 
+def weighted_values(
+    weights: torch.Tensor,
+    values: torch.Tensor,
+    exact_values: torch.Tensor | None = None,
+    band: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``weights`` ``[B, Hkv, G, q, N]`` times ``values`` ``[B·Hkv, N, D]`` → ``[B·Hkv, G·q, D]``. Quantized slots
+    with ``exact_values``: the weights where ``band`` ``[B, Hkv, 1, q, N]`` is set (each query's recent slots) weigh
+    those instead."""
+    bsz, heads, n = weights.shape[0], weights.shape[1], weights.shape[-1]
+
+    def product(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(w.reshape(bsz * heads, -1, n), v)
+
+    if exact_values is None:
+        return product(weights, values)
+    return product(torch.where(band, 0, weights), values) + product(torch.where(band, weights, 0), exact_values)
+
+
 def visible(
     key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None, seen: Visibility
 ) -> torch.Tensor | None:
@@ -213,8 +232,9 @@ def observed_attention(
         allowed = None if diagonal_only else visible(kp, qp, args.window, seen)
         q_fold = (blk.query * args.scaling).reshape(bsz * n_kv_heads, group * b, head_dim)
         logits = torch.bmm(q_fold, key_t[..., :cols]).to(precision).view(bsz, n_kv_heads, group, b, cols)
+        band = exact_values = None
         if exact is not None:
-            band = recent(kp, qp, exact.residual)[:, :, None]
+            band, exact_values = recent(kp, qp, exact.residual)[:, :, None], exact_values_3d[:, :cols]
             exact_logits = torch.bmm(q_fold, exact_key_t[..., :cols]).to(precision)
             logits = torch.where(band, exact_logits.view_as(logits), logits)
         if args.softcap is not None:  # before masking, as the models' eager attention
@@ -231,14 +251,7 @@ def observed_attention(
             probs = logits.softmax(dim=-1)
         else:  # the sink's probability belongs to no token: dropped after the softmax
             probs = torch.cat([logits, sinks.expand(bsz, -1, -1, b, 1)], dim=-1).softmax(dim=-1)[..., :cols]
-        weights = probs.reshape(bsz * n_kv_heads, group * b, cols).to(values.dtype)
-        if exact is None:
-            out = torch.bmm(weights, values_3d[:, :cols])
-        else:  # (each query's weights split between the dequantized and the exact values)
-            split = weights.view(bsz, n_kv_heads, group, b, cols)
-            from_exact = torch.where(band, split, 0).view_as(weights)
-            from_codes = torch.where(band, 0, split).view_as(weights)
-            out = torch.bmm(from_codes, values_3d[:, :cols]) + torch.bmm(from_exact, exact_values_3d[:, :cols])
+        out = weighted_values(probs.to(values.dtype), values_3d[:, :cols], exact_values, band)
         outputs.append(out.view(bsz, n_q_heads, b, -1))
         if all_weights is not None:
             all_weights[:, :, blk.start : blk.end, :cols] = probs.reshape(bsz, n_q_heads, b, cols)
