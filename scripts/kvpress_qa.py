@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ from kvpress_side_by_side import (  # (the sibling script: a script's directory 
     kept_tokens,
     venv_python,
     venv_ready,
+    write_report,
 )
 
 METHODS: dict[str, str] = {
@@ -315,9 +315,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"kvpress_qa: error: {e}")
     result = run(settings)
-    (settings.out / "kvpress_qa.json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown_table(result["rows"])
-    (settings.out / "kvpress_qa.md").write_text(table + "\n")
+    write_report(settings.out, "kvpress_qa", result, table)
     print(table)
     print(f"written to {settings.out}")
 

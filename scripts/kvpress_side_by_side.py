@@ -424,15 +424,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"kvpress_side_by_side: error: {e}")
     result = run(settings)
-    (settings.out / "kvpress_side_by_side.json").write_text(json.dumps(result, indent=1) + "\n")
     header = (
         f"{settings.context}-token prompt, {settings.steps} decode steps, {settings.budget} tokens kept, "
         f"{settings.threads} thread(s), {settings.rounds} rounds (medians); kvsieve / kvpress"
     )
-    (settings.out / "kvpress_side_by_side.md").write_text(f"{header}\n\n{markdown_table(result['rows'])}\n")
+    write_report(settings.out, "kvpress_side_by_side", result, f"{header}\n\n{markdown_table(result['rows'])}")
     print(header)
     print(text_table(result["rows"]))
     print(f"written to {settings.out}")
+
+
+def write_report(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    """``result`` as ``out/<name>.json`` and ``markdown`` as ``out/<name>.md``."""
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown + "\n")
 
 
 if __name__ == "__main__":
