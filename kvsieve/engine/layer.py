@@ -402,7 +402,9 @@ class SieveLayer(CacheLayerMixin):
         )
         store.may_hold_padding |= chunk.padding is not None
         keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
-        start = store.append(keys, chunk.values, new_pos, policy.initial_state(keys, new_pos), self.newest)
+        start = store.append(
+            keys, chunk.values, new_pos, policy.initial_state(keys, new_pos), self.newest, chunk.padding is not None
+        )
         slots = store.view(self.newest)
         keys, values, query, exact = slots.keys, slots.values, chunk.query, None
         if q > 1 and store.step is not None and store.step.exact is not None:

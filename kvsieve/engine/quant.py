@@ -256,6 +256,10 @@ class Residual:
     size: int
     coded: torch.Tensor | None = None
     """``[B]``: each row's tokens at positions from ``coded`` on may be held without codes."""
+    steps: int | None = 0
+    """Known on the host: every row holds its ``steps`` newest tokens without codes, each stored by a single-token
+    step in which every row got a real token, and all older ones coded (so a decode step knows when tokens are due
+    without reading ``coded``: no device-to-host copy). None: rows may differ (after a padded step or a join)."""
     first_rows: torch.Tensor | None = None
     """``[B, H, 1]``: the first row of each (batch row, head)'s ring in the flattened tensor."""
 
@@ -280,12 +284,13 @@ class Residual:
         return self.kv.flatten(0, 2).index_select(0, self.rows(pos)).view(*pos.shape, -1)
 
     def restore_exact(self, decoded: torch.Tensor, pos: torch.Tensor, last: torch.Tensor) -> None:
-        """In place: the rows of ``decoded`` ``[B, H, N, 2·D]`` (contiguous; slots at positions ``pos`` ``[B, H, N]``)
-        that a query at ``last`` ``[B]`` reads exactly (:func:`recent`) get their exact copies."""
-        slots = pos.shape[-1]
-        rows = recent(pos, last, self.size).flatten().nonzero().squeeze(1)
-        ring_rows = torch.div(rows, slots, rounding_mode="floor") * (self.size + 1) + pos.flatten()[rows] % self.size
-        decoded.view(-1, decoded.shape[-1]).index_copy_(0, rows, self.kv.flatten(0, 2).index_select(0, ring_rows))
+        """In place: the rows of ``decoded`` ``[B, H, N, 2·D]`` (slots at positions ``pos`` ``[B, H, N]``) that a query
+        at ``last`` ``[B]`` reads exactly (:func:`recent`) get their exact copies. Those are among each (row, head)'s
+        ``size`` newest slots, so the shapes do not depend on the values (no device-to-host copy)."""
+        newest, slots = pos.topk(min(self.size, pos.shape[-1]), dim=-1, sorted=False)
+        slots = slots[..., None].expand(-1, -1, -1, decoded.shape[-1])
+        exact = recent(newest, last, self.size)[..., None]
+        decoded.scatter_(2, slots, torch.where(exact, self.read(newest), decoded.gather(2, slots)))
 
     def write(self, both: torch.Tensor, pos: torch.Tensor) -> None:
         """Hold the newest of tokens ``both`` ``[B, H, q, 2·D]`` at positions ``pos`` ``[B, H, q]``."""
@@ -294,7 +299,7 @@ class Residual:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Residual:
         """The ring with ``fn`` (a batch operation, a copy) applied to its tensor."""
-        return Residual(fn(self.kv).contiguous(), self.size, fn(self.coded))
+        return Residual(fn(self.kv).contiguous(), self.size, fn(self.coded), steps=self.steps)
 
     @property
     def nbytes(self) -> int:

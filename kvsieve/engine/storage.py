@@ -135,12 +135,13 @@ class SlotStore:
         positions: torch.Tensor,
         initial: dict[str, torch.Tensor],
         newest: torch.Tensor | None = None,
+        padded: bool = False,
     ) -> int | None:
         """Store ``q`` new tokens (``keys``/``values`` ``[B, H, q, D]``, ``positions`` ``[B, H, q]``, ``initial``
-        state): a single token takes the stale slot (None is returned), else they go at the end (the slot of the
-        first is returned). Quantized slots: the slots in use are then decoded for the step (:attr:`step`); a single
-        token is the step's only query, so its slots are decoded as it reads them (``newest``: each row's newest
-        position after it, ``[B]``)."""
+        state; ``padded``: some may be padding): a single token takes the stale slot (None is returned), else they go
+        at the end (the slot of the first is returned). Quantized slots: the slots in use are then decoded for the
+        step (:attr:`step`); a single token is the step's only query, so its slots are decoded as it reads them
+        (``newest``: each row's newest position after it, ``[B]``)."""
         stale, ring = self.stale, self.residual
         if stale is None:
             self.reserve(self.used + keys.shape[2])
@@ -148,9 +149,13 @@ class SlotStore:
         single = ring is not None and newest is not None and keys.shape[2] == 1
         if single:  # the token is read exactly for `residual` steps: coded later, with others (code_pending)
             new = positions[:, 0, 0]
-            due = (new >= 0) & (ring.coded <= new - ring.size)
-            if bool(due.any()):  # (the oldest token without codes leaves the residual now)
+            if ring.steps is None:  # (rows may differ: read each row's mark)
+                due = bool(((new >= 0) & (ring.coded <= new - ring.size)).any())
+            else:
+                due = ring.steps == ring.size
+            if due:  # (the oldest token without codes leaves the residual now)
                 self.code_pending(torch.where(new >= 0, new, ring.coded))
+            ring.steps = None if padded or ring.steps is None else ring.steps + 1
             entries = {}
         else:
             self.code_pending()  # (a step of several tokens reads the older ones dequantized)
@@ -189,12 +194,16 @@ class SlotStore:
             pos, held = self.positions[:, :, : self.used], self.kv["codes"][:, :, : self.used]
             if upto is None:  # (every held token: those to come are newer than the newest held)
                 upto = past(pos) if self.used else ring.coded
-            if not bool((upto > ring.coded).any()):  # (nothing pending: the usual case of a step of several)
-                return
+                every = True
+            else:  # (every held token when each row got a real token at every step: `new` of each row)
+                every = ring.steps is not None
+            if ring.steps == 0 or (ring.steps is None and not bool((upto > ring.coded).any())):
+                return  # (nothing pending: the usual case of a step of several)
             pending = (pos >= ring.coded[:, None, None]) & (pos < upto[:, None, None])
             coded = self.codec.encode_both(ring.kv)["codes"].flatten(0, 2).index_select(0, ring.rows(pos))
             held.copy_(torch.where(pending[..., None], coded.view_as(held), held))
             ring.coded = torch.maximum(ring.coded, upto)
+            ring.steps = 0 if every else None
 
     def release(self) -> None:
         """The step is over: drop its decoded slots."""
@@ -283,6 +292,7 @@ class SlotStore:
                 torch.cat([store.residual.kv for store in stores]),
                 first.residual.size,
                 torch.cat([store.residual.coded for store in stores]),
+                steps=first.residual.steps if len({store.residual.steps for store in stores}) == 1 else None,
             ),
             dtype=first.dtype,
         )
