@@ -429,9 +429,20 @@ class SieveLayer(CacheLayerMixin):
         if observes or policy.narrows or args.explicit or exact is not None:
             observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
             narrow = policy.narrow if policy.narrows else None
-            out, weights = observed_attention(
-                query, keys, values, slots.pos, query_pos, args, seen, observe, narrow, exact
-            )
+            # The rows before those the policy observes need no probabilities: the fused kernel attends them over
+            # the slots before the chunk's later tokens (which they cannot see).
+            rows = policy.observed_rows() if observes and not (narrow or args.explicit or exact) else None
+            head = 0 if rows is None else max(0, q - rows)
+            outs = []
+            if head:
+                before = keys.shape[2] - (q - head)
+                early = (t[:, :, :before] for t in (keys, values, slots.pos))
+                outs.append(fused_attention(query[:, :, :head], *early, query_pos[:, :head], args, seen))
+            if head < q:
+                late = (query[:, :, head:], keys, values, slots.pos, query_pos[:, head:], args, seen)
+                out, weights = observed_attention(*late, observe, narrow, exact, step_rows=q)
+                outs.append(out)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         else:
             out = fused_attention(query, keys, values, slots.pos, query_pos, args, seen)
         if weights is not None:

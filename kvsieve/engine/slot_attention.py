@@ -194,12 +194,14 @@ def observed_attention(
     observe: Callable[[Observation], None] | None = None,
     narrow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     exact: Exact | None = None,
+    step_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention of :func:`fused_attention`, computed explicitly: logits and probabilities in fp32 (fp64 for a
     fp64 model), soft-capped and with sinks as ``args`` say. ``observe`` gets each block of rows as an
     :class:`~kvsieve.policies.base.Observation`; ``narrow(logits, allowed)`` may restrict each query head's keys
     further (see :meth:`~kvsieve.policies.base.Policy.narrow`); with ``exact``, each query reads its recent slots'
-    exact keys and values. Returns the output ``[B, Hq, q, D]`` and, with
+    exact keys and values; ``step_rows``: the step's query rows when ``query`` holds its last rows only (the
+    observations' :attr:`~kvsieve.policies.base.Observation.step_rows`). Returns the output ``[B, Hq, q, D]`` and, with
     ``args.weights``, the probabilities ``[B, Hq, q, N]``."""
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads, n_slots = keys.shape[1], keys.shape[2]
@@ -259,5 +261,5 @@ def observed_attention(
             summed = probs.sum(dim=2)
             if not (seen.all_visible or diagonal_only):  # (otherwise no query is padding)
                 summed.mul_((qp >= 0)[:, None, :, None])
-            observe(Observation(summed, logits, qp, q_len, key_pos=kp, window=args.window, mask=allowed))
+            observe(Observation(summed, logits, qp, step_rows or q_len, key_pos=kp, window=args.window, mask=allowed))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), all_weights

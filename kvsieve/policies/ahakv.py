@@ -137,6 +137,9 @@ class AhaKV(Policy):
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return SCORE_STATE
 
+    def observed_rows(self) -> int | None:
+        return self.recent if self.params.ra else None
+
     def observe(self, slots: Slots, obs: Observation) -> None:
         p = self.params
         sgs = p.sgs and (p.sgs_decode or obs.step_rows > 1)

@@ -250,6 +250,12 @@ class Policy:
     def observe(self, slots: Slots, obs: Observation) -> None:
         """Accumulate statistics from one block of query rows (override it to get probabilities at all)."""
 
+    def observed_rows(self) -> int | None:
+        """How many of a step's last query rows :meth:`observe` counts (None: every row). What it leaves from the
+        earlier rows must be what their observation would have left, so the engine computes their attention with
+        the fused kernel (no probabilities) and hands :meth:`observe` the last rows only. Default: every row."""
+        return None
+
     def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """``[B, H, G, b, N]`` bool: the slots each query head attends to (override it to narrow at all).
 

@@ -82,6 +82,9 @@ class Scissorhands(Policy):
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"low": ((self.params.window,), torch.bool)}
 
+    def observed_rows(self) -> int:
+        return self.params.window  # (the last w rows rewrite every column of the ring)
+
     def observe(self, slots: Slots, obs: Observation) -> None:
         w = self.params.window
         # Only the block's last w rows can still be in the window; their positions are distinct mod w.

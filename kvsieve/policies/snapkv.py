@@ -75,6 +75,9 @@ class SnapKV(Policy):
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return SCORE_STATE
 
+    def observed_rows(self) -> int:
+        return self.window
+
     def observe(self, slots: Slots, obs: Observation) -> None:
         observing = obs.query_pos > (slots.last[:, None] - self.window)
         slots.state["score"] += (obs.probs * observing[:, None, :, None]).sum(dim=2)

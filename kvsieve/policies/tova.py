@@ -38,6 +38,9 @@ class TOVA(Policy):
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return SCORE_STATE
 
+    def observed_rows(self) -> int:
+        return 1
+
     def observe(self, slots: Slots, obs: Observation) -> None:
         last = obs.probs[:, :, -1]  # the block's last query; the step's last block is observed last
         if not self.params.per_head:
