@@ -108,6 +108,20 @@ def visible(
     return allowed
 
 
+def prompt_only(keys: torch.Tensor, query_pos: torch.Tensor, window: int | None, seen: Visibility) -> bool:
+    """Whether the slots are the queries' own tokens (as many: a step's tokens go after the slots held, in order),
+    all real, and nothing but causality limits what they see — a prompt over an empty layer, whose whole mask is
+    the plain causal one."""
+    q_len = query_pos.shape[1]
+    return (
+        q_len > 1
+        and keys.shape[2] == q_len
+        and window is None
+        and seen.restrict is None
+        and bool((query_pos >= 0).all())
+    )
+
+
 @dataclass
 class _Block:
     """Query rows ``start:end`` and the slots they are computed over (the first ``cols``)."""
@@ -161,6 +175,11 @@ def fused_attention(
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads = keys.shape[1]
     group = n_q_heads // n_kv_heads
+    if prompt_only(keys, query_pos, args.window, seen):
+        # The kernel's own causal mask, over the whole prompt at once (its memory stays O(n·block) too).
+        return F.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=args.scaling, enable_gqa=group > 1
+        )
     # With one head layout (one KV head, or every head holding the same tokens in the same slots, as after a
     # fresh prompt), the mask broadcasts over heads instead of being copied per query head.
     shared_layout = q_len > 1 and (n_kv_heads == 1 or bool((key_pos == key_pos[:, :1]).all()))
