@@ -182,3 +182,33 @@ def test_cli_runs_lm_eval_with_the_kvsieve_model(tiny, tokenizer, tmp_path, caps
     assert code == 0
     table = capsys.readouterr().out
     assert TASK in table and "acc" in table
+
+
+def test_budget_of_the_context_streams_shared_contexts_once(tiny, tokenizer, monkeypatch) -> None:
+    lm = _lm(tiny, tokenizer, policy="h2o", budget=0.5, budget_of="context")
+    pairs = _token_pairs(lm)
+    assert [lm.request_budget(len(c), len(k)) for c, k in pairs] == [round(0.5 * len(c)) for c, _ in pairs]
+    per_request = _lm(tiny, tokenizer, policy="h2o", budget=0.5)
+    assert per_request.request_budget(len(pairs[0][0]), len(pairs[0][1])) == round(0.5 * sum(map(len, pairs[0])))
+    assert lm.request_budget(40, 1) == 20 and lm.request_budget(40, 50) == 20
+    assert _lm(tiny, tokenizer, policy="h2o", budget=0.99, budget_of="context").request_budget(40, 1) is None
+    contexts_fed, results = [], []
+    for model_lm in (lm, per_request):
+        fed: list[list[int]] = []  # the rows of every first forward pass (the contexts)
+        forward = model_lm._forward
+
+        def recording(cache, rows, past, keep=0, forward=forward, fed=fed):
+            fed.extend(rows if past is None else [])
+            return forward(cache, rows, past, keep)
+
+        monkeypatch.setattr(model_lm, "_forward", recording)
+        results.append(model_lm.loglikelihood(_instances(REQUESTS)))
+        contexts_fed.append(len(fed))
+    assert contexts_fed == [3, 4]  # one stream for the two choices of "The cat sat ...", not two
+    expected = [_reference(tiny, c, k, "h2o", round(0.5 * len(c)), prefill=False) for c, k in pairs]
+    torch.testing.assert_close([s for s, _ in results[0]], expected, atol=1e-4, rtol=1e-5)
+    assert lm.get_model_info()["kvsieve_budget_of"] == "context"
+    with pytest.raises(ValueError, match="budget_of"):
+        _lm(tiny, tokenizer, budget_of="prompt")
+    with pytest.raises(ValueError, match="agnostic"):
+        _lm(tiny, tokenizer, protocol="prefill", question="agnostic", budget_of="request")

@@ -11,6 +11,8 @@ QUESTION_MODES = ("aware", "agnostic")
 and it may evict it); ``agnostic``: before the question is known, as in kvpress's pipeline — the context alone is
 compressed, then the question is fed and the answer decoded with no further eviction (``decode_budget=None``)."""
 DEFAULT_QUESTION = "aware"
+BUDGET_OF = ("request", "context")
+"""What a ratio budget of an lm-eval request is a ratio of: the whole request (the H2O protocol), or its context."""
 
 
 def check_question(question: str, protocol: str = "prefill") -> None:
