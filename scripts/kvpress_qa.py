@@ -37,13 +37,12 @@ from typing import Any
 from kvpress_side_by_side import (  # (the sibling script: a script's directory is on its path)
     COMPRESSION_RATIO,
     DYNAMIC,
-    KVPRESS_REQUIREMENT,
     PRESS_NAMES,
     SIDES,
     WorkerProcess,
     add_shared_args,
     build_venv,
-    default_model_dir,
+    checked_model_and_venv,
     git_head,
     kept_tokens,
     venv_python,
@@ -126,13 +125,7 @@ def check_args(args: argparse.Namespace) -> Settings:
         raise ValueError("nothing to ask: --trials and --einstein are both 0")
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         raise ValueError(f"--depths must be in [0, 1], got {args.depths}")
-    model = args.model if args.model is not None else default_model_dir()
-    if not (model / "config.json").is_file():
-        raise ValueError(f"no model at {model} (a directory with config.json and safetensors weights)")
-    if not args.build_venv and not venv_ready(args.kvpress_venv):
-        raise ValueError(
-            f"no kvpress virtualenv at {args.kvpress_venv}; pass --build-venv to create it ({KVPRESS_REQUIREMENT})"
-        )
+    model = checked_model_and_venv(args)
     return Settings(
         args.length,
         tuple(args.depths),

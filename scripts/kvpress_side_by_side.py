@@ -133,17 +133,25 @@ def check_args(args: argparse.Namespace) -> Settings:
     for name, value in (("--steps", steps), ("--rounds", rounds), ("--threads", args.threads)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    model = args.model if args.model is not None else default_model_dir()
-    if not (model / "config.json").is_file():
-        raise ValueError(f"no model at {model} (a directory with config.json and safetensors weights)")
+    model = checked_model_and_venv(args)
     limit = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
     if limit is not None and context + steps > limit:
         raise ValueError(f"--context + --steps ({context + steps}) exceed the model's {limit} positions")
-    venv = args.kvpress_venv
-    if not args.build_venv and not venv_ready(venv):
-        raise ValueError(f"no kvpress virtualenv at {venv}; pass --build-venv to create it ({KVPRESS_REQUIREMENT})")
     methods = tuple(dict.fromkeys(args.methods))
-    return Settings(context, steps, rounds, args.threads, methods, model, venv, args.build_venv, args.out)
+    return Settings(context, steps, rounds, args.threads, methods, model, args.kvpress_venv, args.build_venv, args.out)
+
+
+def checked_model_and_venv(args: argparse.Namespace) -> Path:
+    """The model directory of :func:`add_shared_args`' arguments, once it and kvpress's virtualenv (unless it is to
+    be built) are checked; a ``ValueError`` otherwise."""
+    model = args.model if args.model is not None else default_model_dir()
+    if not (model / "config.json").is_file():
+        raise ValueError(f"no model at {model} (a directory with config.json and safetensors weights)")
+    if not args.build_venv and not venv_ready(args.kvpress_venv):
+        raise ValueError(
+            f"no kvpress virtualenv at {args.kvpress_venv}; pass --build-venv to create it ({KVPRESS_REQUIREMENT})"
+        )
+    return model
 
 
 def default_model_dir() -> Path:

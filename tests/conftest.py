@@ -5,8 +5,10 @@ is imported. A test that loads the real model is marked ``slow``."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -208,3 +210,15 @@ def random_ids(batch: int, length: int, seed: int = 1, vocab: int = TINY_VOCAB) 
 def make_ids() -> Callable[..., torch.Tensor]:
     """``random_ids`` as a fixture."""
     return random_ids
+
+
+@pytest.fixture
+def model_and_venv(tmp_path: Path) -> Path:
+    """What the kvpress side-by-side scripts check before they run: a model directory (``model/config.json``, 2,304
+    positions) and a ready kvpress virtualenv (``venv``), under ``tmp_path``."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 2304}))
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").touch()
+    (tmp_path / "venv" / ".installed").touch()
+    return tmp_path

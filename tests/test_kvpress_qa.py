@@ -99,16 +99,6 @@ def _settings(tmp_path: Path, *extra: str) -> object:
     return qa_driver.check_args(qa_driver.parse_args(["--model", str(model), "--kvpress-venv", str(venv), *extra]))
 
 
-@pytest.fixture
-def model_and_venv(tmp_path: Path) -> Path:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "venv" / "bin").mkdir(parents=True)
-    (tmp_path / "venv" / "bin" / "python").touch()
-    (tmp_path / "venv" / ".installed").touch()
-    return tmp_path
-
-
 def test_default_settings(model_and_venv):
     settings = _settings(model_and_venv)
     assert (settings.length, settings.depths, settings.trials, settings.einstein) == (1024, (0.1, 0.5, 0.9), 2, 1536)

@@ -105,16 +105,6 @@ def _settings(tmp_path: Path, **over) -> object:
     return driver.check_args(args)
 
 
-@pytest.fixture
-def model_and_venv(tmp_path: Path) -> Path:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 2304}))
-    (tmp_path / "venv" / "bin").mkdir(parents=True)
-    (tmp_path / "venv" / "bin" / "python").touch()
-    (tmp_path / "venv" / ".installed").touch()
-    return tmp_path
-
-
 def test_settings_full_and_quick(model_and_venv):
     full = _settings(model_and_venv)
     assert (full.context, full.steps, full.rounds, full.threads) == (2048, 256, 3, 1)
