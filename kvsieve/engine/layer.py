@@ -431,7 +431,7 @@ class SieveLayer(CacheLayerMixin):
             narrow = policy.narrow if policy.narrows else None
             # The rows before those the policy observes need no probabilities: the fused kernel attends them over
             # the slots before the chunk's later tokens (which they cannot see).
-            rows = policy.observed_rows() if observes and not (narrow or args.explicit or exact) else None
+            rows = policy.observed_rows() if observes and not (args.explicit or exact) else None
             head = 0 if rows is None else max(0, q - rows)
             outs = []
             if head:
