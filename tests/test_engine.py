@@ -10,7 +10,8 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, T5Config, T5ForConditionalGeneration
 
 import kvsieve
-from kvsieve.engine.layer import SieveLayer
+from kvsieve.engine import layer as layer_module
+from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import REGISTRY, Slots, get_policy
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -57,11 +58,10 @@ def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, ma
     """The first layer of a one-chunk step computes the positions for every layer (sliding and global ones alike,
     with padding), and the outputs are those of each layer computing them alone."""
     calls = []
-    positions = SieveLayer._positions
 
-    def counted(self, padding, q, heads):
-        calls.append(self.layer_idx)
-        return positions(self, padding, q, heads)
+    def counted(*args):
+        calls.append(args)
+        return chunk_positions(*args)
 
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[1, :6] = 0
@@ -72,9 +72,10 @@ def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, ma
             cache.memo.share = lambda what, stamp, make: make()
         runs.append(stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask))
     assert torch.equal(runs[0], runs[1])
-    monkeypatch.setattr(SieveLayer, "_positions", counted)
-    stream(gemma3, kvsieve.make_cache(gemma3, "h2o", 9), make_ids(2, 20), 5, attention_mask=mask)
-    assert calls == [0] * 6  # the prompt, then each token
+    monkeypatch.setattr(layer_module, "chunk_positions", counted)
+    cache = kvsieve.make_cache(gemma3, "h2o", 9)
+    stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask)
+    assert len(cache.layers) > 1 and len(calls) == 6  # the prompt, then each token: once for all layers
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 import kvsieve
 from kvsieve.cli import main
+from kvsieve.cli.commands import lm_eval_batch_size
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
 
 TASK = "kvsieve_cause_and_effect_two_sentences"
@@ -182,6 +183,10 @@ def test_cli_runs_lm_eval_with_the_kvsieve_model(tiny, tokenizer, tmp_path, caps
     assert code == 0
     table = capsys.readouterr().out
     assert TASK in table and "acc" in table
+    assert "batch_size: 8" in table  # (lm-eval's own default is 1)
+    assert lm_eval_batch_size(["--tasks", TASK]) == ["--tasks", TASK, "--batch_size", "8"]
+    for given in (["--batch_size", "2"], ["--batch_size=2"], ["-b", "2"], ["--config", "run.yaml"]):
+        assert lm_eval_batch_size(given) == given
 
 
 def test_budget_of_the_context_streams_shared_contexts_once(tiny, tokenizer, monkeypatch) -> None:

@@ -327,12 +327,21 @@ def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
     argv = list(args.lm_eval_args)
     if "--include_path" not in argv and (tasks_dir().exists() or any(PREFIX in a for a in argv)):
         argv += ["--include_path", str(ensure_task_pack())]
-    saved, sys.argv = sys.argv, ["lm-eval", *argv]
+    saved, sys.argv = sys.argv, ["lm-eval", *lm_eval_batch_size(argv)]
     try:
         cli_evaluate()
     finally:
         sys.argv = saved
     return {}
+
+
+def lm_eval_batch_size(argv: list[str]) -> list[str]:
+    """lm-eval's arguments with ``--batch_size`` defaulting to the kvsieve model's batch (lm-eval's own default is 1:
+    batching requests under equal budgets changes no result, and amortizes the per-token work of the stream)."""
+    from kvsieve.evaluation.defaults import DEFAULT_BATCH_SIZE
+
+    given = any(a.startswith(("--batch_size", "-b", "--config")) for a in argv)
+    return argv if given else [*argv, "--batch_size", str(DEFAULT_BATCH_SIZE)]
 
 
 def cmd_analyze(args: argparse.Namespace) -> dict[str, Any]:

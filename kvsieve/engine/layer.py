@@ -35,8 +35,9 @@ from kvsieve.engine.rope import Rotary, ranks
 from kvsieve.engine.scan import run_length, scan, scannable
 from kvsieve.engine.slot_attention import AttentionArgs, Exact, Visibility, fused_attention, observed_attention
 from kvsieve.engine.storage import SlotStore
-from kvsieve.engine.stream import plan_chunks
+from kvsieve.engine.stream import chunk_positions, plan_chunks
 from kvsieve.policies import Policy, Slots
+from kvsieve.policies.base import demote
 
 
 @dataclass
@@ -398,7 +399,9 @@ class SieveLayer(CacheLayerMixin):
         if store.stale is not None and q > 1:
             store.compact()
         query_pos, self.newest, new_pos = self.memo.share(
-            "positions", (self.tokens_seen, offset, q, heads), lambda: self._positions(chunk.padding, q, heads)
+            "positions",
+            (self.tokens_seen, offset, q, heads),
+            lambda: chunk_positions(self.newest, chunk.padding, q, heads),
         )
         store.may_hold_padding |= chunk.padding is not None
         keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
@@ -450,20 +453,6 @@ class SieveLayer(CacheLayerMixin):
         self._evict(slots)
         store.release()
         return out, weights
-
-    def _positions(
-        self, padding: torch.Tensor | None, q: int, heads: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chunk's query positions ``[B, q]`` (-1 = padding), each row's newest position after it ``[B]``, and
-        the positions to store ``[B, heads, q]``: the same in every layer."""
-        if padding is None:  # (a decode step needs no arange)
-            first = self.newest + 1
-            query_pos = first[:, None] if q == 1 else first[:, None] + torch.arange(q, device=self.device)
-            newest = first if q == 1 else self.newest + q
-        else:
-            query_pos = (self.newest[:, None] + padding.cumsum(-1)).masked_fill(~padding, -1)
-            newest = self.newest + padding.sum(-1)
-        return query_pos, newest, query_pos[:, None, :].expand(-1, heads, -1)
 
     def _rolled_query(
         self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int
@@ -520,10 +509,7 @@ class SieveLayer(CacheLayerMixin):
     def _scores(self, slots: Slots) -> torch.Tensor:
         """The policy's priorities, padding and empty slots lowest."""
         scores = self.policy.keep_scores(slots)
-        if self.store.may_hold_padding:
-            lowest = float("-inf") if scores.is_floating_point() else torch.iinfo(scores.dtype).min
-            scores = scores.masked_fill(slots.pos < 0, lowest)
-        return scores
+        return demote(scores, slots.pos < 0) if self.store.may_hold_padding else scores
 
     def _choose(self, slots: Slots, target: int) -> torch.Tensor:
         """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots

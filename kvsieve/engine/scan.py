@@ -16,11 +16,14 @@ The logits and the kept slots are those of feeding the tokens one at a time (tes
 token-by-token engine). Position-only policies (:class:`~kvsieve.policies.base.PositionalPolicy`) share the whole
 run's decisions between the layers of a group: only the first one steps through the run.
 
-A run can be scanned when its tokens and the layer's slots hold no padding (a left-padded batch's runs once the
-padding slots were evicted), positions are not rolled, the layer has no window, and the attention needs nothing the
-scan does not compute (soft-capping, sinks, returned weights); otherwise the layer steps through it chunk by chunk
-(:meth:`SieveLayer._step`). Quantized slots are read as :mod:`kvsieve.engine.quant` says: dequantized, and exactly
-by each query within its residual.
+Padding (a left-padded batch's first tokens, a right-padded continuation's last ones) is scanned as the layer
+steps it: a padding token takes a slot that holds no token (position -1) and is never revealed; such slots count
+towards the layer's slots and go first when it evicts; a padding query is observed as zeros and attends every slot
+(its output is never used). A run can be scanned when positions are not rolled, the layer has no window, the
+attention needs nothing the scan does not compute (soft-capping, sinks, returned weights), and, where padding is
+involved, the policy's target is not each row's own count (:attr:`~kvsieve.policies.base.Policy.counts_rows`);
+otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`). Quantized slots are read as
+:mod:`kvsieve.engine.quant` says: dequantized, and exactly by each query within its residual.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import torch
 
 from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs, weighted_values
+from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import Observation, Slots
-from kvsieve.policies.base import protect
+from kvsieve.policies.base import demote, protect
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import Chunk, SieveLayer
@@ -48,10 +52,9 @@ MIN_RUN = 8
 
 def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
     """Whether ``chunk``'s tokens, fed one at a time to ``layer`` now, can be scanned (see the module docstring)."""
-    store = layer.store
+    padded = layer.store.may_hold_padding or (chunk.padding is not None and not bool(chunk.padding.all()))
     return (
-        (chunk.padding is None or bool(chunk.padding.all()))
-        and not store.may_hold_padding
+        not (padded and layer.policy.counts_rows)
         and layer.rotary is None
         and args.window is None
         and not args.explicit
@@ -85,30 +88,39 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
         store.compact()
     heads, c = chunk.keys.shape[1:3]
     first = store.used
-    query_pos = layer.newest[:, None] + torch.arange(1, c + 1, device=layer.device)  # [B, c]
-    new_pos = query_pos[:, None, :].expand(-1, heads, -1)
+    query_pos, newest, new_pos = chunk_positions(layer.newest, chunk.padding, c, heads)  # [B, c], [B], [B, H, c]
+    # Each row's newest position when each token is the newest (a padding token's: the row's last real one).
+    lasts = query_pos if chunk.padding is None else query_pos.cummax(dim=1).values.clamp(min=layer.newest[:, None])
+    store.may_hold_padding |= chunk.padding is not None
     store.append(chunk.keys, chunk.values, new_pos, policy.initial_state(chunk.keys, new_pos))
     n = store.used
     kv = _RunKV(store, query_pos)
     pos = store.positions[:, :, :n]
+    pads = None  # the slots holding padding (the run's own as they come), until evicted
+    if store.may_hold_padding:
+        pads = pos < 0
+        pads[:, :, first:] = False
     pos[:, :, first:] = -1  # (hidden until revealed)
     state = {name: t[:, :, :n] for name, t in store.state.items()}
     logits = kv.logits(chunk.query, args.scaling) if policy.needs_attention else None
     gone, kept = layer.memo.decide(
         layer.plan.groups[layer.layer_idx],
         ("run", layer.eviction_rounds),
-        lambda: _decide(layer, pos, state, kv, query_pos, new_pos, logits),
+        lambda: _decide(layer, pos, state, kv, query_pos, lasts, new_pos, logits, pads),
     )
     layer.eviction_rounds += c
+    if pads is not None:  # a padding query attends every slot (a fully masked row would be NaN)
+        gone = gone & (query_pos >= 0)[:, None, :, None]
     if logits is None:
         logits = kv.logits(chunk.query, args.scaling)
     probs = logits.masked_fill(gone[:, :, None], float("-inf")).softmax(dim=-1)
     out = kv.output(probs).view(*chunk.query.shape[:3], -1)
-    layer.newest = query_pos[:, -1]
+    layer.newest = newest
     pos[:, :, first:] = new_pos  # (the layers that took a group's decisions revealed nothing)
     store.release()
     if kept is not None:
         store.keep(kept)
+        store.settle()
     return out
 
 
@@ -162,43 +174,61 @@ def _decide(
     state: dict[str, torch.Tensor],
     kv: _RunKV,
     query_pos: torch.Tensor,
+    lasts: torch.Tensor,
     new_pos: torch.Tensor,
     logits: torch.Tensor | None,
+    pads: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Step through the run: reveal, observe, evict. Returns what each query could not see ``[B, H, c, N]`` and
-    the slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
+    """Step through the run: reveal, observe, evict (``lasts``: each row's newest position at each token ``[B, c]``;
+    ``pads``: the slots holding padding ``[B, H, N]``, None when none may, cleared as they go). Returns what each
+    query could not see ``[B, H, c, N]`` and the slots kept at the end ``[B, H, kept]`` in slot order (None: nothing
+    was evicted, all are kept)."""
     policy = layer.policy
     first = pos.shape[2] - query_pos.shape[1]
     held, evicted, gones = first, 0, []
     # Views made once for the whole run (indexing costs more than the arithmetic on tensors this small).
     columns = pos[:, :, first:].unbind(2)
+    pad_columns = [None] * len(columns) if pads is None else pads[:, :, first:].unbind(2)
     step_logits = [None] * len(columns) if logits is None else logits.split(1, dim=3)
     wide_pos = pos[:, :, None, None]
-    steps = zip(query_pos.unbind(1), query_pos.split(1, dim=1), new_pos.unbind(2), columns, step_logits, strict=True)
-    for t, (last, step_pos, revealed, column, step_logit) in enumerate(steps):
+    steps = zip(
+        lasts.unbind(1), query_pos.split(1, dim=1), new_pos.unbind(2), columns, pad_columns, step_logits, strict=True
+    )
+    for t, (last, step_pos, revealed, column, pad_column, step_logit) in enumerate(steps):
         column.copy_(revealed)
+        if pad_column is not None:
+            torch.lt(revealed, 0, out=pad_column)
         held += 1
         wide_gone = wide_pos < 0
         gone = wide_gone.view(pos.shape)
         gones.append(gone)
         slots = kv.slots(pos, state, last, t, policy.reads_kv)
         if step_logit is not None:
-            masked = torch.where(wide_gone, float("-inf"), step_logit)
-            policy.observe(slots, Observation(masked.softmax(dim=-1).sum(dim=2), masked, step_pos, 1, key_pos=pos))
+            real = None if pads is None else step_pos >= 0  # (a padding query sees every slot, observed as zeros)
+            hidden = wide_gone if real is None else wide_gone & real[:, None, None, :, None]
+            masked = torch.where(hidden, float("-inf"), step_logit)
+            probs = masked.softmax(dim=-1).sum(dim=2)
+            probs = probs if real is None else probs * real[:, None, :, None]
+            policy.observe(slots, Observation(probs, masked, step_pos, 1, key_pos=pos))
         target = layer.n_keep(held)
         if target >= held:
             continue
         scores = policy.keep_scores(slots)
         scores = protect(scores, gone)  # (an empty slot is never a victim)
+        if pads is not None:  # (padding goes first)
+            scores = demote(scores, pads)
         if held - target == 1:
             victims = scores.argmin(dim=-1, keepdim=True)
         else:
             victims = scores.topk(held - target, dim=-1, largest=False, sorted=False).indices
         pos.scatter_(2, victims, -1)
+        if pads is not None:
+            pads.scatter_(2, victims, False)
         evicted += held - target
         held = target
     gone = torch.stack(gones, dim=2)
     if not evicted:
         return gone, None
-    kept = (pos >= 0).to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :, :held]
+    held_slots = pos >= 0 if pads is None else (pos >= 0) | pads
+    kept = held_slots.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :, :held]
     return gone, kept.sort(dim=-1).values

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvsieve.policies.base import Policy, SinkWindow
 
 CLOSED_FORM_CHUNK = 64
@@ -51,3 +53,18 @@ def plan_chunks(
         if room > 1:  # the tokens that fit before the first eviction: one chunk, the same result
             return Chunks([0, *range(room, q + 1)])
     return Chunks(list(range(q + 1)))
+
+
+def chunk_positions(
+    newest: torch.Tensor, padding: torch.Tensor | None, q: int, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The query positions ``[B, q]`` (-1 = padding) of a chunk of ``q`` tokens after each row's ``newest`` position
+    ``[B]``, each row's newest position after it ``[B]``, and the positions to store ``[B, heads, q]``."""
+    if padding is None:  # (a decode step needs no arange)
+        first = newest + 1
+        query_pos = first[:, None] if q == 1 else first[:, None] + torch.arange(q, device=newest.device)
+        newest = first if q == 1 else newest + q
+    else:
+        query_pos = (newest[:, None] + padding.cumsum(-1)).masked_fill(~padding, -1)
+        newest = newest + padding.sum(-1)
+    return query_pos, newest, query_pos[:, None, :].expand(-1, heads, -1)

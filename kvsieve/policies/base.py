@@ -394,6 +394,12 @@ def protect(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, float("inf") if priority.is_floating_point() else PROTECTED, priority)
 
 
+def demote(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``priority`` with the slots of ``mask`` evicted first (``-inf``, or the integer type's least value)."""
+    least = float("-inf") if priority.is_floating_point() else torch.iinfo(priority.dtype).min
+    return priority.masked_fill(mask, least)
+
+
 def in_position_order(pos: torch.Tensor, fn: Callable[..., torch.Tensor], *values: torch.Tensor) -> torch.Tensor:
     """``fn`` applied to ``values`` (``[B, H, N]`` each) laid out in position order along the slots (empty slots
     first), its ``[B, H, N]`` result put back in slot order: for rules over neighbouring positions."""
