@@ -5,7 +5,7 @@ imported before lm-eval looks the name up. Both supported ways do that:
 
 - command line: ``kvsieve lm-eval --model kvsieve --model_args pretrained=smollm2-135m,policy=h2o,budget=0.2,\
 protocol=stream --tasks kvsieve_social_iqa --limit 10`` (every argument is lm-eval's own; the offline task pack's
-  directory is added as ``--include_path``);
+  directory is added as ``--include_path``, and ``--batch_size`` defaults to 8 rather than lm-eval's 1);
 - Python: ``import kvsieve.evaluation.lm_eval_model`` then ``lm_eval.simple_evaluate(model="kvsieve",
   model_args=..., tasks=..., task_manager=kvsieve.evaluation.tasks.task_manager(tasks))``, or pass a
   :class:`KVSieveLM` instance as ``model``.
