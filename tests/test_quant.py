@@ -272,3 +272,36 @@ def test_spec_keys_and_arguments(llama_gqa) -> None:
     assert kvsieve.make_cache(llama_gqa, "h2o", 8).codec == kvsieve.make_cache(llama_gqa, "h2o:kv_bits=none", 8).codec
     with pytest.raises(ValueError, match="kv_bits given both"):
         kvsieve.make_cache(llama_gqa, "h2o:kv_bits=4", 8, kv_bits=4)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "ahakv", "tova", "snapkv", "streaming_llm"])
+def test_padded_batch_streams_as_fed_token_by_token(tiny_models, make_ids, policy) -> None:
+    """4-bit slots, a row with 5 left-padding tokens streamed over 60 tokens, then a 20-token continuation whose
+    second row ends in 6 padding tokens: the scanned runs hold padding (ahakv reads the slots' values) and give the
+    logits and kept positions of feeding each token alone."""
+    model, ids = tiny_models("llama_gqa", torch.float64), make_ids(2, 80)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[1, -6:] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run(spans: list[slice]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = kvsieve.make_cache(model, policy, 14, kv_bits=4, group_size=8, residual=6, stream=True)
+        with torch.inference_mode():
+            logits = [
+                model(
+                    ids[:, span],
+                    attention_mask=mask[:, : span.stop],
+                    position_ids=positions[:, span],
+                    past_key_values=cache,
+                ).logits
+                for span in spans
+            ]
+        return torch.cat(logits, dim=1), [layer.held_positions().sort(dim=-1).values for layer in cache.layers]
+
+    whole, kept = run([slice(0, 60), slice(60, 80)])
+    steps, kept_steps = run([slice(t, t + 1) for t in range(80)])
+    real = mask.bool()
+    torch.testing.assert_close(whole[real], steps[real], rtol=0, atol=1e-10)
+    for a, b in zip(kept, kept_steps, strict=True):
+        assert torch.equal(a, b)

@@ -156,7 +156,9 @@ class SlotStore:
             if due:  # (the oldest token without codes leaves the residual now)
                 self.code_pending(torch.where(new >= 0, new, ring.coded))
             ring.steps = None if padded or ring.steps is None else ring.steps + 1
-            entries = {}
+            # A padding token is never coded from the ring (it has no position): coded now, so that its slot holds
+            # finite values (a padding query reads every slot; 0 · NaN would reach the real rows).
+            entries = self.codec.encode_both(both) if padded else {}
         else:
             self.code_pending()  # (a step of several tokens reads the older ones dequantized)
             entries = self.codec.encode(keys, values) if both is None else self.codec.encode_both(both)
