@@ -120,7 +120,7 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
     store.release()
     if kept is not None:
         store.keep(kept)
-        store.settle()
+    store.settle()  # (whether padding is still held: a mask of all real tokens, or the padding evicted)
     return out
 
 
