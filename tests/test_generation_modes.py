@@ -136,6 +136,22 @@ def test_assisted_generation_gives_plain_greedy_tokens(
     assert any(count_rollbacks), "no draft was rejected: the rollback was not exercised"
 
 
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "streaming_llm", "snapkv"])
+@pytest.mark.parametrize("residual", [0, 3])
+def test_assisted_generation_with_quantized_slots_gives_plain_greedy_tokens(
+    policy, residual, llama_gqa, assistant, make_ids, count_rollbacks
+) -> None:
+    """The same with 4-bit slots: a rejected draft's rollback restores the codes and the exact residual ring too."""
+    ids = make_ids(1, 8).repeat(1, 3)
+    quant = {"kv_bits": 4, "group_size": 8, "residual": residual}
+    plain = _greedy(llama_gqa, ids, past_key_values=kvsieve.make_cache(llama_gqa, policy, 6, **quant))
+    for extra in ({"assistant_model": assistant}, {"prompt_lookup_num_tokens": 3}):
+        cache = kvsieve.make_cache(llama_gqa, policy, 6, **quant)
+        cache.set_prompt_length(ids.shape[1])
+        assert torch.equal(_greedy(llama_gqa, ids, past_key_values=cache, **extra), plain)
+    assert any(count_rollbacks), "no draft was rejected: the rollback was not exercised"
+
+
 def test_assisted_generation_needs_to_know_where_the_prompt_ends(llama_gqa, make_ids, assistant) -> None:
     ids = make_ids(1, 10)
     with pytest.raises(ValueError, match=r"call cache.set_prompt_length\(input_ids.shape\[1\]\)"):
