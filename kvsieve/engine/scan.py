@@ -109,8 +109,6 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
         lambda: _decide(layer, pos, state, kv, query_pos, lasts, new_pos, logits, pads),
     )
     layer.eviction_rounds += c
-    if pads is not None:  # a padding query attends every slot (a fully masked row would be NaN)
-        gone = gone & (query_pos >= 0)[:, None, :, None]
     if logits is None:
         logits = kv.logits(chunk.query, args.scaling)
     probs = logits.masked_fill(gone[:, :, None], float("-inf")).softmax(dim=-1)
@@ -181,20 +179,29 @@ def _decide(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Step through the run: reveal, observe, evict (``lasts``: each row's newest position at each token ``[B, c]``;
     ``pads``: the slots holding padding ``[B, H, N]``, None when none may, cleared as they go). Returns what each
-    query could not see ``[B, H, c, N]`` and the slots kept at the end ``[B, H, kept]`` in slot order (None: nothing
-    was evicted, all are kept)."""
+    query could not see ``[B, H, c, N]`` (a padding query sees every slot: a fully masked row would be NaN) and the
+    slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
     policy = layer.policy
     first = pos.shape[2] - query_pos.shape[1]
     held, evicted, gones = first, 0, []
     # Views made once for the whole run (indexing costs more than the arithmetic on tensors this small).
     columns = pos[:, :, first:].unbind(2)
     pad_columns = [None] * len(columns) if pads is None else pads[:, :, first:].unbind(2)
+    real = None if pads is None else query_pos >= 0  # [B, c]: a padding query is observed as zeros
+    step_real = [None] * len(columns) if real is None else real[:, None, :, None].unbind(2)  # [B, 1, 1] each
     step_logits = [None] * len(columns) if logits is None else logits.split(1, dim=3)
     wide_pos = pos[:, :, None, None]
     steps = zip(
-        lasts.unbind(1), query_pos.split(1, dim=1), new_pos.unbind(2), columns, pad_columns, step_logits, strict=True
+        lasts.unbind(1),
+        query_pos.split(1, dim=1),
+        new_pos.unbind(2),
+        columns,
+        pad_columns,
+        step_real,
+        step_logits,
+        strict=True,
     )
-    for t, (last, step_pos, revealed, column, pad_column, step_logit) in enumerate(steps):
+    for t, (last, step_pos, revealed, column, pad_column, is_real, step_logit) in enumerate(steps):
         column.copy_(revealed)
         if pad_column is not None:
             torch.lt(revealed, 0, out=pad_column)
@@ -204,11 +211,10 @@ def _decide(
         gones.append(gone)
         slots = kv.slots(pos, state, last, t, policy.reads_kv)
         if step_logit is not None:
-            real = None if pads is None else step_pos >= 0  # (a padding query sees every slot, observed as zeros)
-            hidden = wide_gone if real is None else wide_gone & real[:, None, None, :, None]
+            hidden = wide_gone if is_real is None else wide_gone & is_real[..., None, None]
             masked = torch.where(hidden, float("-inf"), step_logit)
             probs = masked.softmax(dim=-1).sum(dim=2)
-            probs = probs if real is None else probs * real[:, None, :, None]
+            probs = probs if is_real is None else probs * is_real[..., None]
             policy.observe(slots, Observation(probs, masked, step_pos, 1, key_pos=pos))
         target = layer.n_keep(held)
         if target >= held:
@@ -227,6 +233,8 @@ def _decide(
         evicted += held - target
         held = target
     gone = torch.stack(gones, dim=2)
+    if real is not None:
+        gone &= real[:, None, :, None]
     if not evicted:
         return gone, None
     held_slots = pos >= 0 if pads is None else (pos >= 0) | pads
