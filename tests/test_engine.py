@@ -11,8 +11,10 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, T5Config, T5ForC
 
 import kvsieve
 from kvsieve.engine import layer as layer_module
+from kvsieve.engine.scan import MAX_RUN, scan
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import REGISTRY, Slots, get_policy
+from kvsieve.policies.base import SinkWindow
 
 # --------------------------------------------------------------------------------------------------------------------
 # Positional policies: one decision per step for the layers that share it
@@ -52,6 +54,41 @@ def test_positional_layers_share_each_decision(llama_gqa, stream, make_ids, poli
         kept += [run(cache) for _ in range(2 if variant is Counted else 1)]  # the second reuses it after a reset
     assert all(run == kept[1] for run in kept)
     assert len(calls) == 4 * (1 + steps) * groups  # four Counted runs, each: the prompt's round + one per token
+
+
+@pytest.mark.parametrize(
+    "policy", [name for name, cls in REGISTRY.items() if cls.positional and not issubclass(cls, SinkWindow)]
+)
+def test_positional_layers_share_every_run_of_a_scanned_stream(llama_gqa, make_ids, monkeypatch, policy) -> None:
+    """A stream scanned in several runs in one forward pass (each layer scans all its runs before the next layer
+    starts): the first layer of the group decides every run and the others take each decision, with the logits and
+    kept positions of every layer deciding alone."""
+    cls = get_policy(policy)
+    calls: list[bool] = []
+
+    class Counted(cls):
+        def keep_scores(self, slots: Slots) -> torch.Tensor:
+            calls.append(self.positional)
+            return super().keep_scores(slots)
+
+    class Alone(Counted):
+        positional = False
+
+    runs = []
+    monkeypatch.setattr(layer_module, "scan", lambda *args: runs.append(1) or scan(*args))
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[1, :6] = 0
+    results = []
+    for variant in (Counted, Alone):
+        cache = kvsieve.make_cache(llama_gqa, variant, 9, stream=True)
+        with torch.inference_mode():
+            logits = llama_gqa(input_ids=make_ids(2, 200), attention_mask=mask, past_key_values=cache).logits
+        results.append((logits, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    assert len(runs) >= 2 * 3 * 2  # several runs per layer, both variants
+    shared, alone = calls.count(True), calls.count(False)
+    assert shared > 2 * MAX_RUN and alone == 3 * shared
 
 
 def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, make_ids, monkeypatch) -> None:

@@ -20,10 +20,10 @@ tokens after a prompt one at a time, as decode steps, and keep them with the sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -38,6 +38,8 @@ from kvsieve.engine.storage import SlotStore
 from kvsieve.engine.stream import chunk_positions, plan_chunks
 from kvsieve.policies import Policy, Slots
 from kvsieve.policies.base import demote
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -476,13 +478,18 @@ class SieveLayer(CacheLayerMixin):
             store.keep(chosen)
             store.positions[:, :, :target].masked_fill_(evicted, -1)  # (holes where a row keeps fewer)
         else:
-            group = self.plan.groups[self.layer_idx]
-            chosen = self.memo.decide(group, self.eviction_rounds, lambda: self._choose(slots, target))
+            chosen = self.shared_decision(self.eviction_rounds, lambda: self._choose(slots, target))
             if store.used - target == 1:
                 store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
             else:
                 store.keep(chosen)
         store.settle()
+
+    def shared_decision(self, round_: Hashable, choose: Callable[[], T]) -> T:
+        """``choose()``, or the decision the layer's positional group made for eviction round ``round_``
+        (:meth:`~kvsieve.engine.plan.StepMemo.decide`)."""
+        group = self.plan.groups[self.layer_idx]
+        return self.memo.decide(group, round_, choose, self.plan.group_sizes[group])
 
     @property
     def limit(self) -> int | None:

@@ -4,15 +4,16 @@
 (every layer is validated before any is used). :class:`StepMemo` is what the layers of one cache compute once per
 step and share: every layer sees the same tokens, so the positions of a one-chunk step (every decode step) are
 computed by the first layer; layers whose policy is positional, of the same class, parameters and budget hold the
-same positions at every step, so they evict the same slots: the first of them decides, the others take it.
+same positions at every step, so they evict the same slots: the first of them decides, the others take it. A
+decision is kept until every layer of its group has taken it: a scanned stream makes several in one step, each layer
+making all of its own before the next layer starts.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, TypeVar
-
-import torch
 
 from kvsieve.engine.budget import Budget, check_budget, resolve_budget
 from kvsieve.engine.schedules import split_budget
@@ -59,6 +60,8 @@ class PolicyPlan:
         self.budget_tokens: int | None = None
         self.groups: list[Hashable | None] = []
         """Per layer: the key of its positional group (layers deciding alike), None when it decides alone."""
+        self.group_sizes: Counter[Hashable | None] = Counter()
+        """Layers in each positional group."""
         self._policies: list[Policy] | None = None
         if not self._ratio:
             self.resolve(0)
@@ -88,6 +91,7 @@ class PolicyPlan:
                 (cls, id(params), policy.budget) if policy.positional else None
                 for (cls, params, _), policy in zip(self.layer_policies, policies, strict=True)
             ]
+            self.group_sizes = Counter(self.groups)
             self.budget_tokens = tokens
             self.growth = self._growth(tokens, prompt_len)
         return self._policies
@@ -133,6 +137,7 @@ class StepMemo:
 
     def __init__(self) -> None:
         self._made: dict[Hashable, tuple[Hashable, Any]] = {}
+        self._decisions: dict[tuple[Hashable, Hashable], list[Any]] = {}  # (group, round) → [decision, takers left]
 
     def share(self, what: Hashable, stamp: Hashable, make: Callable[[], T]) -> T:
         """``make()``, or the value of ``what`` that another layer already made under the same ``stamp`` (the
@@ -142,10 +147,21 @@ class StepMemo:
             made = self._made[what] = (stamp, make())
         return made[1]
 
-    def decide(self, group: Hashable | None, round_: int, choose: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``choose()``, or the decision another layer of positional ``group`` made for the same eviction round
-        (the layers of a group run their rounds in lockstep); a layer of no group always chooses itself."""
-        return choose() if group is None else self.share(group, round_, choose)
+    def decide(self, group: Hashable | None, round_: Hashable, choose: Callable[[], T], members: int) -> T:
+        """``choose()``, or the decision another layer of positional ``group`` (of ``members`` layers) made for the
+        same eviction round (the layers of a group run the same rounds); a layer of no group always chooses itself.
+        The decision is forgotten once all ``members`` took it."""
+        if group is None or members == 1:
+            return choose()
+        key = (group, round_)
+        entry = self._decisions.get(key)
+        if entry is None:
+            entry = self._decisions[key] = [choose(), members]
+        entry[1] -= 1
+        if not entry[1]:
+            del self._decisions[key]
+        return entry[0]
 
     def clear(self) -> None:
         self._made.clear()
+        self._decisions.clear()

@@ -103,8 +103,7 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
     pos[:, :, first:] = -1  # (hidden until revealed)
     state = {name: t[:, :, :n] for name, t in store.state.items()}
     logits = kv.logits(chunk.query, args.scaling) if policy.needs_attention else None
-    gone, kept = layer.memo.decide(
-        layer.plan.groups[layer.layer_idx],
+    gone, kept = layer.shared_decision(
         ("run", layer.eviction_rounds),
         lambda: _decide(layer, pos, state, kv, query_pos, lasts, new_pos, logits, pads),
     )
