@@ -36,7 +36,7 @@ from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs, weighted_values
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import Observation, Slots
-from kvsieve.policies.base import demote, protect
+from kvsieve.policies.base import demote, extreme, protect
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import Chunk, SieveLayer
@@ -180,7 +180,7 @@ def _decide(
     ``pads``: the slots holding padding ``[B, H, N]``, None when none may, cleared as they go). Returns what each
     query could not see ``[B, H, c, N]`` (a padding query sees every slot: a fully masked row would be NaN) and the
     slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
-    policy = layer.policy
+    policy, limit = layer.policy, layer.limit  # (scanned runs are bounded: the limit holds for the run)
     first = pos.shape[2] - query_pos.shape[1]
     held, evicted, gones = first, 0, []
     # Views made once for the whole run (indexing costs more than the arithmetic on tensors this small).
@@ -189,7 +189,8 @@ def _decide(
     real = None if pads is None else query_pos >= 0  # [B, c]: a padding query is observed as zeros
     step_real = [None] * len(columns) if real is None else real[:, None, :, None].unbind(2)  # [B, 1, 1] each
     step_logits = [None] * len(columns) if logits is None else logits.split(1, dim=3)
-    wide_pos = pos[:, :, None, None]
+    wide_pos, shape = pos[:, :, None, None], tuple(pos.shape)  # (a view to ints costs less than to a torch.Size)
+    lowest = None if logits is None else extreme(logits.dtype, logits.device, highest=False)
     steps = zip(
         lasts.unbind(1),
         query_pos.split(1, dim=1),
@@ -206,16 +207,16 @@ def _decide(
             torch.lt(revealed, 0, out=pad_column)
         held += 1
         wide_gone = wide_pos < 0
-        gone = wide_gone.view(pos.shape)
+        gone = wide_gone.view(*shape)
         gones.append(gone)
         slots = kv.slots(pos, state, last, t, policy.reads_kv)
         if step_logit is not None:
             hidden = wide_gone if is_real is None else wide_gone & is_real[..., None, None]
-            masked = torch.where(hidden, float("-inf"), step_logit)
+            masked = torch.where(hidden, lowest, step_logit)
             probs = masked.softmax(dim=-1).sum(dim=2)
             probs = probs if is_real is None else probs * is_real[..., None]
             policy.observe(slots, Observation(probs, masked, step_pos, 1, key_pos=pos))
-        target = layer.n_keep(held)
+        target = policy.n_keep(held, limit)
         if target >= held:
             continue
         scores = policy.keep_scores(slots)

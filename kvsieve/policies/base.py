@@ -389,15 +389,27 @@ def drop_in_bulk(n: int, budget: int, drop: int) -> int:
     return budget if n - budget > 1 else n - drop
 
 
+@functools.cache
+def extreme(dtype: torch.dtype, device: torch.device, *, highest: bool) -> torch.Tensor:
+    """The 0-dim tensor of the highest priority (``inf``, or :data:`PROTECTED` for an integer type) or the lowest
+    (``-inf``, or the integer type's least value) on ``device``: a tensor operand costs less than a Python number,
+    which every call would wrap in a new tensor (these run at every token of a stream)."""
+    if dtype.is_floating_point:
+        value = float("inf") if highest else float("-inf")
+    else:
+        value = PROTECTED if highest else torch.iinfo(dtype).min
+    with torch.inference_mode(False):  # (usable outside inference mode as well)
+        return torch.tensor(value, dtype=dtype, device=device)
+
+
 def protect(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``priority`` with the slots of ``mask`` always kept (``+inf``, or :data:`PROTECTED` for an integer one)."""
-    return torch.where(mask, float("inf") if priority.is_floating_point() else PROTECTED, priority)
+    return torch.where(mask, extreme(priority.dtype, priority.device, highest=True), priority)
 
 
 def demote(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``priority`` with the slots of ``mask`` evicted first (``-inf``, or the integer type's least value)."""
-    least = float("-inf") if priority.is_floating_point() else torch.iinfo(priority.dtype).min
-    return priority.masked_fill(mask, least)
+    return torch.where(mask, extreme(priority.dtype, priority.device, highest=False), priority)
 
 
 def in_position_order(pos: torch.Tensor, fn: Callable[..., torch.Tensor], *values: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from kvsieve.policies.base import (
     PositionalPolicy,
     Slots,
     accumulate,
+    demote,
     protect,
     register,
 )
@@ -84,9 +85,7 @@ class HeavyHitters(Policy):
         """``[B, H, N]`` bool: the slots the base pattern keeps at ``budget - heavy`` among the real ones."""
         real = slots.pos >= 0
         priority = self.pattern.priority(slots.pos, slots.last)
-        lowest = float("-inf") if priority.is_floating_point() else torch.iinfo(priority.dtype).min
-        priority = priority.masked_fill(~real, lowest)
-        top = priority.topk(min(self.share, priority.shape[-1]), dim=-1).indices
+        top = demote(priority, ~real).topk(min(self.share, priority.shape[-1]), dim=-1).indices
         return torch.zeros_like(real).scatter_(-1, top, True) & real
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
