@@ -4,6 +4,7 @@ cache (a tiny local model), kept by sweeps at 100 %, bench and lm-eval's model a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -80,6 +81,16 @@ def test_bad_quantization_is_one_line_before_the_model_loads(capsys, command, op
 def test_bits_given_twice_are_refused(capsys, argv) -> None:
     assert main(argv) == 2
     assert "kv_bits given both in 'h2o:kv_bits=" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("no_model")
+def test_help_states_the_quantization_defaults(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    defaults = {f.name: f.default for f in dataclasses.fields(KVQuant)}
+    assert f"channels per scale/zero pair (default {defaults['group_size']})" in help_text
+    assert f"newest tokens of each row also kept exactly (default {defaults['residual']})" in help_text
 
 
 @pytest.mark.usefixtures("no_model")

@@ -107,7 +107,7 @@ def _quant_args(parser: argparse.ArgumentParser) -> None:
     )
     quant.add_argument("--group-size", type=POSITIVE_INT, help="channels per scale/zero pair (default 32)")
     quant.add_argument(
-        "--kv-residual", type=NON_NEGATIVE_INT, help="newest tokens of each row also kept exactly (default 32)"
+        "--kv-residual", type=NON_NEGATIVE_INT, help="newest tokens of each row also kept exactly (default 16)"
     )
 
 
