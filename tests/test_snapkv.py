@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from policy_runs import Kept, capture, run_kept
 
-from kvsieve.policies.snapkv import SnapKV
+from kvsieve.policies.snapkv import SnapKV, pooled_priority
 
 
 def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int) -> list[Kept]:
@@ -52,3 +53,23 @@ def test_snapkv_matches_naive_reference(llama_gqa, stream, make_ids, monkeypatch
     assert kept == _naive_snapkv(calls, budget, window, kernel, len(kept[0]))
     # the prompt's selection is not just the newest tokens
     assert any(min(s) < 30 - budget for layer in kept[0] for row in layer for s in row)
+
+
+def test_pooled_priority_orders_by_pooled_maximum_then_position() -> None:
+    """The integer priority sorts slots as (max of the score over the kernel's neighbours in position order,
+    position), for scores with ties, zeros, tiny and large values and -inf (masked slots), in any slot layout."""
+    gen = torch.Generator().manual_seed(0)
+    kernel, n = 5, 40
+    for _ in range(50):
+        pos = torch.randperm(300, generator=gen)[:n].view(1, 1, n)
+        levels = torch.tensor([0.0, 1e-30, 0.25, 0.5, 3e5, float("-inf")])
+        score = levels[torch.randint(0, len(levels), (1, 1, n), generator=gen)]
+        priority = pooled_priority(score, pos, kernel)
+        order = sorted(range(n), key=lambda s: int(pos[0, 0, s]))
+        rank = {slot: i for i, slot in enumerate(order)}
+        pooled = {
+            s: max(float(score[0, 0, order[j]]) for j in range(max(0, rank[s] - 2), min(n, rank[s] + 3)))
+            for s in range(n)
+        }
+        expected = sorted(range(n), key=lambda s: (pooled[s], int(pos[0, 0, s])))
+        assert priority[0, 0].argsort().tolist() == expected

@@ -15,6 +15,7 @@ Long prompts are attended in blocks of query rows (:data:`BLOCK_ELEMENTS` logits
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -202,6 +203,13 @@ def fused_attention(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
+@functools.cache
+def _everything(device: torch.device) -> torch.Tensor:
+    """A 0-dim True on ``device``: expanded, the mask of a step whose queries see every slot (a view, not built)."""
+    with torch.inference_mode(False):  # (usable outside inference mode as well)
+        return torch.ones((), dtype=torch.bool, device=device)
+
+
 def observed_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -280,5 +288,6 @@ def observed_attention(
             summed = probs.sum(dim=2)
             if not (seen.all_visible or diagonal_only):  # (otherwise no query is padding)
                 summed.mul_((qp >= 0)[:, None, :, None])
-            observe(Observation(summed, logits, qp, step_rows or q_len, key_pos=kp, window=args.window, mask=allowed))
+            mask = _everything(query.device).expand(bsz, n_kv_heads, b, cols) if seen.all_visible else allowed
+            observe(Observation(summed, logits, qp, step_rows or q_len, key_pos=kp, window=args.window, mask=mask))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), all_weights

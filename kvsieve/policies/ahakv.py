@@ -13,6 +13,7 @@ from kvsieve.policies.base import (
     Observation,
     Policy,
     Slots,
+    accumulate,
     in_position_order,
     protect,
     recent_mask,
@@ -46,7 +47,8 @@ def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torc
     # [B, 1, b] with its own token, or [B, H, b]
     count = (obs.query_pos + 1).float()[:, None] if tokens == "seen" else obs.allowed.sum(dim=-1).float()
     gain = (2 * torch.log(count / budget)).clamp(min=0).sqrt()  # 0 (uniform) while i <= budget
-    logits = (obs.logits * gain[:, :, None, :, None]).masked_fill(~obs.allowed[:, :, None], float("-inf"))
+    # The logits are -inf where masked, and -inf · 0 is NaN: masked again where the gain is 0 (uniform over the rest).
+    logits = (obs.logits * gain[:, :, None, :, None]).nan_to_num_(nan=float("-inf"))
     return logits.softmax(dim=-1).sum(dim=2) * (obs.query_pos >= 0)[:, None, :, None]
 
 
@@ -146,10 +148,10 @@ class AhaKV(Policy):
         probs = step_gain_probs(obs, self.budget, p.sgs_tokens) if sgs else obs.probs
         if p.ra:
             probs = probs * (obs.query_pos > slots.last[:, None] - self.recent)[:, None, :, None]
-        gain = probs.sum(dim=2)
         if p.vpe and obs.step_rows > 1:
-            gain *= value_prior(slots, p.kernel)
-        slots.state["score"] += gain
+            slots.state["score"] += probs.sum(dim=2) * value_prior(slots, p.kernel)
+        else:
+            accumulate(slots.state["score"], probs)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return protect(slots.state["score"], recent_mask(slots.pos, slots.last, self.recent))

@@ -137,7 +137,8 @@ class Observation:
     window: int | None = None
     """The layer's sliding window (None = none)."""
     mask: torch.Tensor | None = field(default=None, repr=False)
-    """The ``allowed`` mask if the engine already built it (it skips it when every slot is visible)."""
+    """The ``allowed`` mask if the engine has it (when every slot is visible: a True expanded, read-only); None:
+    built from the positions on first use."""
 
     @property
     def allowed(self) -> torch.Tensor:

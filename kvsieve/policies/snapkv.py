@@ -28,18 +28,19 @@ class SnapKVParams:
     """Width of the 1-D max-pooling over positions (odd; 1 = no pooling)."""
 
 
-def pooled_ranks(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
-    """``[B, H, N]``: each slot's rank (0 = lowest) by its max of ``score`` over the ``kernel`` slots around it in
-    position order, equal maxima ranked by position (newer higher): priorities whose ties do not depend on the slot
-    layout. Pooling and ranking share one pass in position order."""
+def pooled_priority(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``[B, H, N]`` int64: each slot's max of ``score`` over the ``kernel`` slots around it in position order,
+    equal maxima ordered by position (newer higher), as one integer: the pooled maximum's bits in the high half, the
+    position in the low half — priorities whose ties do not depend on the slot layout, with no second sort.
 
-    def ranked(ordered: torch.Tensor) -> torch.Tensor:
-        pooled = F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
-        ranking = pooled.argsort(dim=-1, stable=True)
-        ranks = torch.arange(pooled.shape[-1], device=pooled.device).expand_as(ranking)
-        return torch.empty_like(ranking).scatter_(-1, ranking, ranks).to(pooled.dtype)
+    ``score`` is fp32 and non-negative or ``-inf`` (summed probabilities, masked slots), whose bits order as the
+    int32 they read as."""
 
-    return in_position_order(pos, ranked, score)
+    def pooled(ordered: torch.Tensor) -> torch.Tensor:
+        return F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
+
+    bits = in_position_order(pos, pooled, score).view(torch.int32).long()
+    return (bits << 32) | pos.clamp(min=0)  # (an empty slot's -inf is the lowest anyway)
 
 
 @register
@@ -85,4 +86,4 @@ class SnapKV(Policy):
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         protected = recent_mask(slots.pos, slots.last, self.window)
         score = slots.state["score"].masked_fill(protected | (slots.pos < 0), float("-inf"))
-        return protect(pooled_ranks(score, slots.pos, self.params.kernel), protected)
+        return protect(pooled_priority(score, slots.pos, self.params.kernel), protected)
