@@ -35,7 +35,7 @@ def make_cache(
     residual: int | None = None,
     **policy_kwargs: Any,
 ) -> SieveCache:
-    """An evicting cache for ``model``: use it as ``past_key_values`` in ``generate`` or a forward loop.
+    """An evicting cache for ``model``: use it as ``cache`` in ``generate`` or a forward loop.
 
     ``budget``: tokens (int) or a ratio of the prompt length (float in (0, 1]); ignored by ``full``.
     ``policy``: a name or a spec (``"h2o:recent=0"``, see :mod:`kvsieve.policies`). ``policy_kwargs``: the
@@ -71,8 +71,9 @@ def make_cache(
     return cache
 
 
-RESERVED_GENERATE_KWARGS = frozenset({"input_ids", "attention_mask", "past_key_values", "max_new_tokens"})
-"""``model.generate`` arguments that :func:`generate` sets itself."""
+RESERVED_GENERATE_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "max_new_tokens"})
+"""``model.generate`` arguments that :func:`generate` sets itself (``past_key_values``: the name of ``cache`` before
+transformers 5.24)."""
 
 
 @dataclass
@@ -128,7 +129,7 @@ def generate(
     if tokenizer.pad_token_id is not None:
         generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     with torch.inference_mode():
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
+        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
     new = out[:, prompt_len:]
     eos = eos_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
     lengths = [_length_until_eos(row, eos) for row in new.tolist()]

@@ -96,7 +96,7 @@ def profile(
     cache = SieveCache.for_model(model, Coverage, Coverage.make_params(start=ids.shape[1] // 2), None)
     use_kvsieve_attention(model)
     with torch.inference_mode():
-        model(ids.to(model.device), past_key_values=cache, use_cache=True)
+        model(ids.to(model.device), cache=cache, use_cache=True)
     weights = [layer.policy.value for layer in cache.layers if not layer.is_sliding]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -122,7 +122,7 @@ class ContextQA:
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
-        reserved = sorted({"input_ids", "attention_mask", "past_key_values"} & generate_kwargs.keys())
+        reserved = sorted({"input_ids", "attention_mask", "cache", "past_key_values"} & generate_kwargs.keys())
         if reserved:
             raise ValueError(f"ContextQA.ask sets {', '.join(reserved)} itself")
         answers = []
@@ -155,7 +155,7 @@ class ContextQA:
             kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens, **kwargs
+                input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=max_new_tokens, **kwargs
             )
         eos = eos_ids(self.model, self.tokenizer, kwargs.get("eos_token_id"))
         rows = out[:, ids.shape[1] :].tolist()
@@ -214,7 +214,7 @@ def compress(
     ids = tokenizer(context_text, add_special_tokens=special, return_tensors="pt")["input_ids"].to(model.device)
     cache.resolve(ids.shape[1])  # (invalid budgets fail before any work)
     with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     return ContextQA(model, tokenizer, cache, ids, question_template, spec)
 
 

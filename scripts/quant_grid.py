@@ -125,7 +125,7 @@ def bytes_rows(lengths: list[int], bits: list[int], budget: float, residual: int
     for length in lengths:
         for b in [None, *bits]:
             cache = kvsieve.make_cache(model, "h2o", budget, kv_bits=b, residual=None if b is None else residual)
-            model(tokens[None, :length], past_key_values=cache, logits_to_keep=1)
+            model(tokens[None, :length], cache=cache, logits_to_keep=1)
             slots = max(cache.capacities())
             measured = cache.kv_nbytes()
             predicted = held_kv_bytes(model, slots, cache.codec)

@@ -62,7 +62,7 @@ def token_by_token_nll(model: PreTrainedModel, cache: Cache, ids: torch.Tensor, 
     """Mean negative log-likelihood of ``ids`` ``[1, L]`` fed one token at a time through ``cache``."""
     total = 0.0
     for t in tqdm(range(ids.shape[1] - 1), desc=desc, leave=False):
-        logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+        logits = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1].float()
         total -= torch.log_softmax(logits, dim=-1)[0, ids[0, t + 1]].item()
     return total / (ids.shape[1] - 1)
 

@@ -186,7 +186,7 @@ def _stream(
     ids = prompt
     with torch.inference_mode():
         for _ in range(steps + 1):
-            outputs.append(model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits.float())
+            outputs.append(model(ids, attention_mask=mask, cache=cache, use_cache=True).logits.float())
             if on_step is not None:
                 on_step()
             ids = torch.randint(3, vocab, (prompt.shape[0], 1), generator=gen)

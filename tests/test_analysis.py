@@ -127,9 +127,9 @@ def test_recall_rows_hide_exactly_what_the_policy_evicted(llama_gqa, make_ids, p
     cache = kvsieve.make_cache(llama_gqa, policy, budget)
     rows = torch.zeros(len(held), 4, n, n)  # [layer, query head, query, key]: the cache's attention
     with torch.inference_mode():
-        llama_gqa(ids[:, :budget], past_key_values=cache)
+        llama_gqa(ids[:, :budget], cache=cache)
         for i in range(budget, n):
-            attentions = llama_gqa(ids[:, i : i + 1], past_key_values=cache, output_attentions=True).attentions
+            attentions = llama_gqa(ids[:, i : i + 1], cache=cache, output_attentions=True).attentions
             for layer, attention in enumerate(attentions):
                 rows[layer, :, i, : i + 1] = attention[0, :, 0]
     ones = torch.ones(4, n, n).tril()

@@ -23,8 +23,8 @@ VOCAB = 96
 
 SUPPORTED = [
     "apertus", "arcee", "cohere", "cohere2", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
-    "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "granite", "granitemoe", "helium", "llama", "ministral", "mistral",
-    "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2",
+    "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "helium", "llama", "ministral",
+    "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
 ]  # fmt: skip
 """Architectures whose attention kvsieve implements exactly (the list is the test matrix)."""
@@ -32,7 +32,6 @@ SUPPORTED = [
 UNSUPPORTED = {
     "jetmoe": "did not receive the keys",  # transforms cached keys after cache.update()
     "bloom": "cannot switch to a custom attention",  # ALiBi, its own attention code
-    "gptj": "cannot switch to a custom attention",
     "falcon_h1": r"layer types \['hybrid'\]",
     "qwen3_next": r"layer types \['linear_attention'\]",
     "llama4_text": r"layer types \['chunked_attention'\]",
@@ -44,6 +43,7 @@ SIZES = {
     "n_layer": 4, "n_head": 4, "n_positions": 256, "n_inner": 128, "ffn_dim": 128, "num_local_experts": 4,
     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "sliding_window": 8, "initializer_range": 0.2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "rotary_dim": 8,
 }  # fmt: skip
 
 
@@ -84,7 +84,7 @@ def _run(model: PreTrainedModel, cache: Any, steps: int = 3) -> torch.Tensor:
     logits = []
     with torch.inference_mode():
         for t in range(steps + 1):
-            out = model(ids, attention_mask=mask, past_key_values=cache).logits
+            out = model(ids, attention_mask=mask, cache=cache).logits
             logits.append(out.float())
             ids = torch.full((2, 1), 3 + t)
             mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
@@ -131,7 +131,7 @@ def test_unsupported_architectures_are_refused_before_anything_is_cached(model_t
     cache = None
     with pytest.raises(kvsieve.UnsupportedModelError, match=UNSUPPORTED[model_type]), torch.inference_mode():
         cache = kvsieve.make_cache(model, "h2o", 6)
-        model(_inputs()[0], past_key_values=cache)
+        model(_inputs()[0], cache=cache)
     assert cache is None or cache.get_seq_length() == 0
 
 
@@ -151,7 +151,7 @@ def test_softcapping_and_sinks_reach_the_output_and_the_policy(monkeypatch) -> N
         model.set_attn_implementation(implementation)
         observed.clear()
         with torch.inference_mode():
-            got = model(ids, attention_mask=mask, past_key_values=kvsieve.make_cache(model, "h2o", 64))
+            got = model(ids, attention_mask=mask, cache=kvsieve.make_cache(model, "h2o", 64))
         real = mask.bool()
         torch.testing.assert_close(got.logits[real], expected.logits[real], atol=1e-5, rtol=1e-5)
         full_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
@@ -222,7 +222,7 @@ def test_unimplemented_attention_features_are_refused_and_leave_the_cache_untouc
     kwargs = change(model)
     ids, mask = _inputs()
     with pytest.raises(kvsieve.UnsupportedModelError, match=message), torch.inference_mode():
-        model(ids, attention_mask=mask, past_key_values=cache, **kwargs)
+        model(ids, attention_mask=mask, cache=cache, **kwargs)
     assert cache.get_seq_length() == 0 and cache.budget_tokens is None  # (the ratio is resolved again)
     fresh = tiny_model("llama")
     expected = _run(fresh, kvsieve.make_cache(fresh, "h2o", 0.5))
@@ -239,20 +239,18 @@ def test_masks_kvsieve_does_not_implement_are_refused() -> None:
         config=model.config,
         inputs_embeds=embeds,
         attention_mask=None,
-        past_key_values=cache,
+        cache=cache,
         or_mask_function=lambda b, h, q, kv: kv == 0,
     )
     assert "extra mask function" in extra.unsupported
     model.config.attention_chunk_size = 4
-    chunked = create_chunked_causal_mask(
-        config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=cache
-    )
+    chunked = create_chunked_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=cache)
     assert "chunked attention" in chunked.unsupported
-    plain = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, past_key_values=cache)
+    plain = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=cache)
     assert plain.unsupported is None and plain.window is None
     # Without a kvsieve cache the mask is the fallback's own (a tensor or None, as sdpa would build it).
     dense = create_causal_mask(
-        config=model.config, inputs_embeds=embeds, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]), past_key_values=None
+        config=model.config, inputs_embeds=embeds, attention_mask=torch.tensor([[0, 1, 1, 1, 1]]), cache=None
     )
     assert isinstance(dense, torch.Tensor) and dense.shape == (1, 1, 5, 5)
 

@@ -52,9 +52,9 @@ def test_floor_holds_exactly_budget_slots_with_the_newest_tokens(tiny, make_ids,
     floor, full = FloorCache(budget, tiny.config.num_hidden_layers), DynamicCache(config=tiny.config)
     with torch.inference_mode():
         for cache in (floor, full):
-            tiny(make_ids(batch, prompt), past_key_values=cache, use_cache=True)
+            tiny(make_ids(batch, prompt), cache=cache, use_cache=True)
             for t in range(steps):
-                tiny(make_ids(batch, 1, seed=10 + t), past_key_values=cache, use_cache=True)
+                tiny(make_ids(batch, 1, seed=10 + t), cache=cache, use_cache=True)
     seen = prompt + steps
     assert floor.get_seq_length() == seen
     assert all(layer.keys.shape[2] == budget == layer.values.shape[2] for layer in floor.layers)
@@ -69,9 +69,9 @@ def test_floor_takes_one_prompt_then_single_tokens(tiny, make_ids):
     tiny.set_attn_implementation("sdpa")
     floor = FloorCache(4, tiny.config.num_hidden_layers)
     with torch.inference_mode():
-        tiny(make_ids(1, 6), past_key_values=floor, use_cache=True)
+        tiny(make_ids(1, 6), cache=floor, use_cache=True)
         with pytest.raises(ValueError, match="single tokens"):
-            tiny(make_ids(1, 2), past_key_values=floor, use_cache=True)
+            tiny(make_ids(1, 2), cache=floor, use_cache=True)
 
 
 # -- order, grid, ratios -------------------------------------------------------------------------------------------

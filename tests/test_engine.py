@@ -82,7 +82,7 @@ def test_positional_layers_share_every_run_of_a_scanned_stream(llama_gqa, make_i
     for variant in (Counted, Alone):
         cache = kvsieve.make_cache(llama_gqa, variant, 9, stream=True)
         with torch.inference_mode():
-            logits = llama_gqa(input_ids=make_ids(2, 200), attention_mask=mask, past_key_values=cache).logits
+            logits = llama_gqa(input_ids=make_ids(2, 200), attention_mask=mask, cache=cache).logits
         results.append((logits, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
@@ -127,7 +127,7 @@ def test_ratio_budget_resolves_against_the_prompt(llama_gqa, stream, make_ids) -
     assert cache.budget_tokens == 11  # round(11.1)
     assert cache.slot_counts() == [11, 11, 11]
     with torch.inference_mode():
-        llama_gqa(make_ids(1, 30), past_key_values=cache)  # a later chunk does not re-resolve
+        llama_gqa(make_ids(1, 30), cache=cache)  # a later chunk does not re-resolve
     assert cache.budget_tokens == 11 and cache.slot_counts() == [11, 11, 11]
     cache.reset()
     assert cache.budget_tokens is None and cache.get_seq_length() == 0
@@ -203,7 +203,7 @@ def test_unsupported_models() -> None:
 def test_invalid_ratio_split_fails_at_first_forward_and_leaves_cache_untouched(llama_gqa, stream, make_ids) -> None:
     cache = kvsieve.make_cache(llama_gqa, "streaming_llm", 0.1, sink=4)
     with pytest.raises(ValueError, match=r"sink \(4\) must be smaller than the budget \(2\)"), torch.inference_mode():
-        llama_gqa(make_ids(1, 20), past_key_values=cache)
+        llama_gqa(make_ids(1, 20), cache=cache)
     assert not any(layer.is_initialized for layer in cache.layers)
     assert cache.get_seq_length() == 0 and cache.budget_tokens is None
     # Nothing is half-done: the same cache then works on a longer prompt exactly like a fresh one.
@@ -217,12 +217,12 @@ def test_4d_mask_and_batch_change_are_rejected(llama_gqa, make_ids) -> None:
     ids = make_ids(2, 6)
     mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(2, 1, 6, 6)
     with pytest.raises(ValueError, match="2-D attention_mask"), torch.inference_mode():
-        llama_gqa(ids, attention_mask=mask, past_key_values=kvsieve.make_cache(llama_gqa, "h2o", 4))
+        llama_gqa(ids, attention_mask=mask, cache=kvsieve.make_cache(llama_gqa, "h2o", 4))
     cache = kvsieve.make_cache(llama_gqa, "h2o", 4)
     with torch.inference_mode():
-        llama_gqa(ids, past_key_values=cache)
+        llama_gqa(ids, cache=cache)
         with pytest.raises(ValueError, match="batch size changed from 2 to 1"):
-            llama_gqa(ids[:1, :1], past_key_values=cache)
+            llama_gqa(ids[:1, :1], cache=cache)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_generate_per_prompt_results_and_eos(tiny_lm, eos_from, monkeypatch) -> 
     assert out.generated_tokens == [10, 10]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     cache = kvsieve.make_cache(model, "h2o", 4)
-    new = model.generate(**enc, past_key_values=cache, max_new_tokens=10, do_sample=False)[:, enc.input_ids.shape[1] :]
+    new = model.generate(**enc, cache=cache, max_new_tokens=10, do_sample=False)[:, enc.input_ids.shape[1] :]
     tokens = new.tolist()
     assert out.texts == [tokenizer.decode(row, skip_special_tokens=True) for row in tokens]
     assert out.text == out.texts[0]

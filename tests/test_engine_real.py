@@ -25,8 +25,8 @@ def wiki_ids(real_model, wiki_text) -> torch.Tensor:
 def _teacher_forced(model, cache, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits ``[1, L, V]`` of ``ids`` fed as one ``prefill`` pass, then one token per step."""
     with torch.inference_mode():
-        out = [model(ids[:, :prefill], past_key_values=cache).logits]
-        out += [model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(prefill, ids.shape[1])]
+        out = [model(ids[:, :prefill], cache=cache).logits]
+        out += [model(ids[:, i : i + 1], cache=cache).logits for i in range(prefill, ids.shape[1])]
     return torch.cat(out, dim=1)
 
 
@@ -46,7 +46,7 @@ def test_full_equals_dynamic_cache(real_model, wiki_ids, dynamic_logits) -> None
     prompt = wiki_ids[:, :PREFILL]
     texts = []
     for cache in (DynamicCache(config=model.config), kvsieve.make_cache(model, "full")):
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        out = model.generate(prompt, cache=cache, max_new_tokens=40, min_new_tokens=40, do_sample=False)
         texts.append(tokenizer.decode(out[0, PREFILL:]))
     assert texts[0] == texts[1] and len(texts[0]) > 40
 

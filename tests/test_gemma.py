@@ -70,8 +70,8 @@ def test_real_gemma3_full_equals_dynamic_cache_and_h2o_stays_bounded(wiki_text) 
 
     def run(cache) -> torch.Tensor:
         with torch.inference_mode():
-            out = [model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits]
-            out += [model(decode[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(4)]
+            out = [model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits]
+            out += [model(decode[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(4)]
         return torch.cat(out, dim=1)
 
     reference = run(DynamicCache(config=model.config))

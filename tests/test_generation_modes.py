@@ -42,11 +42,11 @@ def _caches(model: PreTrainedModel) -> dict[str, Any]:
     """Every cache class of transformers (fresh for each generate call), by name."""
     config = model.config
     caches = {
-        "dynamic": lambda: {"past_key_values": DynamicCache(config=config)},
-        "static": lambda: {"past_key_values": StaticCache(config=config, max_cache_len=64)},
+        "dynamic": lambda: {"cache": DynamicCache(config=config)},
+        "static": lambda: {"cache": StaticCache(config=config, max_cache_len=64)},
         "static-by-name": lambda: {"cache_implementation": "static"},
-        "sliding-window": lambda: {"past_key_values": SlidingWindowCache(config=config, max_cache_len=64)},
-        "quantized-fp8": lambda: {"past_key_values": QuantizedCache(backend="fp8", config=config)},
+        "sliding-window": lambda: {"cache": SlidingWindowCache(config=config, max_cache_len=64)},
+        "quantized-fp8": lambda: {"cache": QuantizedCache(backend="fp8", config=config)},
     }
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         del caches["quantized-fp8"]  # (transformers quantizes models with full attention layers only)
@@ -72,7 +72,7 @@ def test_quanto_quantized_cache_behaves_as_before_make_cache(llama_gqa, make_ids
 
     def quanto() -> dict[str, Any]:
         cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, q_group_size=16, residual_length=4)
-        return {"past_key_values": cache}
+        return {"cache": cache}
 
     before = _greedy(model, ids, **quanto())
     kvsieve.make_cache(model, "h2o", 4)
@@ -124,11 +124,11 @@ def test_assisted_generation_gives_plain_greedy_tokens(
     ids = make_ids(1, 8).repeat(1, 3)
     budget = 6 if REGISTRY[policy].takes_budget() else None
     for model in (llama_gqa, gemma3):
-        plain = _greedy(model, ids, past_key_values=kvsieve.make_cache(model, policy, budget))
+        plain = _greedy(model, ids, cache=kvsieve.make_cache(model, policy, budget))
         cache = kvsieve.make_cache(model, policy, budget)
         cache.set_prompt_length(ids.shape[1])
         extra = {"assistant_model": assistant} if mode == "assistant" else {"prompt_lookup_num_tokens": 3}
-        assert torch.equal(_greedy(model, ids, past_key_values=cache, **extra), plain)
+        assert torch.equal(_greedy(model, ids, cache=cache, **extra), plain)
         if REGISTRY[policy].bounded:  # (Gemma's sliding layers keep their window)
             assert all(
                 n <= budget for n, layer in zip(cache.slot_counts(), cache.layers, strict=True) if not layer.is_sliding
@@ -144,20 +144,20 @@ def test_assisted_generation_with_quantized_slots_gives_plain_greedy_tokens(
     """The same with 4-bit slots: a rejected draft's rollback restores the codes and the exact residual ring too."""
     ids = make_ids(1, 8).repeat(1, 3)
     quant = {"kv_bits": 4, "group_size": 8, "residual": residual}
-    plain = _greedy(llama_gqa, ids, past_key_values=kvsieve.make_cache(llama_gqa, policy, 6, **quant))
+    plain = _greedy(llama_gqa, ids, cache=kvsieve.make_cache(llama_gqa, policy, 6, **quant))
     for extra in ({"assistant_model": assistant}, {"prompt_lookup_num_tokens": 3}):
         cache = kvsieve.make_cache(llama_gqa, policy, 6, **quant)
         cache.set_prompt_length(ids.shape[1])
-        assert torch.equal(_greedy(llama_gqa, ids, past_key_values=cache, **extra), plain)
+        assert torch.equal(_greedy(llama_gqa, ids, cache=cache, **extra), plain)
     assert any(count_rollbacks), "no draft was rejected: the rollback was not exercised"
 
 
 def test_assisted_generation_needs_to_know_where_the_prompt_ends(llama_gqa, make_ids, assistant) -> None:
     ids = make_ids(1, 10)
     with pytest.raises(ValueError, match=r"call cache.set_prompt_length\(input_ids.shape\[1\]\)"):
-        _greedy(llama_gqa, ids, past_key_values=kvsieve.make_cache(llama_gqa, "h2o", 4), assistant_model=assistant)
+        _greedy(llama_gqa, ids, cache=kvsieve.make_cache(llama_gqa, "h2o", 4), assistant_model=assistant)
     with pytest.raises(ValueError, match=r"call cache.set_prompt_length"):  # (any policy: drafts are rolled back)
-        _greedy(llama_gqa, ids, past_key_values=kvsieve.make_cache(llama_gqa, "full", None), prompt_lookup_num_tokens=2)
+        _greedy(llama_gqa, ids, cache=kvsieve.make_cache(llama_gqa, "full", None), prompt_lookup_num_tokens=2)
     cache = kvsieve.make_cache(llama_gqa, "h2o", 4)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="the prompt length must be a positive int"):
@@ -187,36 +187,36 @@ def test_crop_rolls_back_exactly_what_was_fed_since_recording(policy, llama_gqa,
     prompt, more = make_ids(2, 9), make_ids(2, 5, seed=3)
     reference = kvsieve.make_cache(llama_gqa, policy, 5)
     with torch.inference_mode():
-        llama_gqa(prompt, past_key_values=reference)
+        llama_gqa(prompt, cache=reference)
         for t in range(2):  # the two tokens that stay, fed as plain decode steps
-            llama_gqa(more[:, t : t + 1], past_key_values=reference)
+            llama_gqa(more[:, t : t + 1], cache=reference)
         cache = kvsieve.make_cache(llama_gqa, policy, 5)
-        llama_gqa(prompt, past_key_values=cache)
+        llama_gqa(prompt, cache=cache)
         cache.activate_past_recording()
-        llama_gqa(more[:, :3], past_key_values=cache)  # two steps' worth of tokens, then a third...
-        llama_gqa(more[:, 3:], past_key_values=cache)  # ...and two more, without a crop in between
+        llama_gqa(more[:, :3], cache=cache)  # two steps' worth of tokens, then a third...
+        llama_gqa(more[:, 3:], cache=cache)  # ...and two more, without a crop in between
         cache.crop(-3)
     for held, expected in zip(_state(cache), _state(reference), strict=True):
         for a, b in zip(held, expected, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # (projections of 3 tokens vs 1: float noise)
     with torch.inference_mode():  # and the cache goes on as the reference does
         torch.testing.assert_close(
-            llama_gqa(more[:, 2:3], past_key_values=cache).logits,
-            llama_gqa(more[:, 2:3], past_key_values=reference).logits,
+            llama_gqa(more[:, 2:3], cache=cache).logits,
+            llama_gqa(more[:, 2:3], cache=reference).logits,
         )
 
 
 def test_crop_refuses_what_it_cannot_roll_back(llama_gqa, make_ids) -> None:
     cache = kvsieve.make_cache(llama_gqa, "h2o", 4)
     with torch.inference_mode():
-        llama_gqa(make_ids(1, 6), past_key_values=cache)
+        llama_gqa(make_ids(1, 6), cache=cache)
         with pytest.raises(ValueError, match="pass minus the number of tokens to remove"):
             cache.crop(3)
         cache.crop(0)  # nothing recorded: nothing to commit
         with pytest.raises(ValueError, match="rolls back only the 0 token"):
             cache.crop(-1)
         cache.activate_past_recording()
-        llama_gqa(make_ids(1, 2), past_key_values=cache)
+        llama_gqa(make_ids(1, 2), cache=cache)
         with pytest.raises(ValueError, match="rolls back only the 2 token"):
             cache.crop(-3)
         cache.crop(-2)
@@ -225,7 +225,7 @@ def test_crop_refuses_what_it_cannot_roll_back(llama_gqa, make_ids) -> None:
     fresh.set_prompt_length(6)
     fresh.activate_past_recording()
     with torch.inference_mode():
-        llama_gqa(make_ids(1, 8), past_key_values=fresh)
+        llama_gqa(make_ids(1, 8), cache=fresh)
     with pytest.raises(ValueError, match="rolls back only the 2 token"):
         fresh.crop(-3)
     fresh.crop(-2)
@@ -243,7 +243,7 @@ def test_output_attentions_are_the_kept_tokens_attention_by_column(llama_gqa, ma
         got = llama_gqa(
             ids,
             attention_mask=mask,
-            past_key_values=kvsieve.make_cache(llama_gqa, "full", None),
+            cache=kvsieve.make_cache(llama_gqa, "full", None),
             output_attentions=True,
         ).attentions
     real = mask.bool()
@@ -251,12 +251,12 @@ def test_output_attentions_are_the_kept_tokens_attention_by_column(llama_gqa, ma
         torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=1e-6, rtol=1e-5)
     cache = kvsieve.make_cache(llama_gqa, "h2o", 4)
     with torch.inference_mode():
-        llama_gqa(ids, attention_mask=mask, past_key_values=cache)
+        llama_gqa(ids, attention_mask=mask, cache=cache)
         held = [cache.positions(i).clone() for i in range(3)]
         step = llama_gqa(
             make_ids(2, 1, seed=5),
             attention_mask=torch.cat([mask, mask.new_ones(2, 1)], dim=1),
-            past_key_values=cache,
+            cache=cache,
             output_attentions=True,
         ).attentions
     for layer, weights in enumerate(step):
@@ -283,8 +283,9 @@ def test_generate_passes_stop_strings_and_counts_prompts_per_sequence(tiny_facto
     )  # fmt: skip
     assert several.prompt_tokens == [len(tokenizer(prompt).input_ids)] * 3 + [len(tokenizer("Hi").input_ids)] * 3
     assert len(several.texts) == len(several.generated_tokens) == 6
-    with pytest.raises(ValueError, match=r"kvsieve\.generate sets past_key_values itself"):
-        kvsieve.generate(model, tokenizer, prompt, past_key_values=DynamicCache())
+    for name in ("cache", "past_key_values"):  # (its name before transformers 5.24)
+        with pytest.raises(ValueError, match=rf"kvsieve\.generate sets {name} itself"):
+            kvsieve.generate(model, tokenizer, prompt, **{name: DynamicCache()})
 
 
 def test_a_cache_serves_one_model(llama_gqa, make_ids, tiny_factory) -> None:
@@ -293,11 +294,11 @@ def test_a_cache_serves_one_model(llama_gqa, make_ids, tiny_factory) -> None:
     config.num_hidden_layers = 4
     deeper = LlamaForCausalLM._from_config(config, attn_implementation="kvsieve").eval()
     with pytest.raises(ValueError, match="made for a model of 3 layers, not 4"), torch.inference_mode():
-        deeper(make_ids(1, 5), past_key_values=cache)
+        deeper(make_ids(1, 5), cache=cache)
     assert cache.get_seq_length() == 0  # refused at the first layer: nothing cached
     cache = kvsieve.make_cache(llama_gqa, "h2o", 4)
     with torch.inference_mode():
-        llama_gqa(make_ids(1, 5), past_key_values=cache)
+        llama_gqa(make_ids(1, 5), cache=cache)
     mha = tiny_factory("llama_mha")
     with pytest.raises(ValueError, match="holds 2 KV heads of dim 16, the model gives 4"), torch.inference_mode():
-        mha(make_ids(1, 1), past_key_values=cache)
+        mha(make_ids(1, 1), cache=cache)

@@ -178,7 +178,7 @@ def test_no_heavy_hitters_is_the_base_policy_in_the_stream_protocol(llama_gqa, m
     with torch.no_grad():
         for name, kwargs in ((policy, {"heavy_ratio": 0.0}), (policy.removeprefix("h2o+"), {})):
             cache = kvsieve.make_cache(llama_gqa, name, 12, stream=True, **kwargs)
-            logits = llama_gqa(ids, past_key_values=cache).logits
+            logits = llama_gqa(ids, cache=cache).logits
             out.append((logits, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]))
     (logits, kept), (base_logits, base_kept) = out
     torch.testing.assert_close(logits, base_logits, atol=1e-4, rtol=1e-4)

@@ -30,13 +30,11 @@ def test_joined_rows_decode_as_alone(tiny_models, make_ids, model_name, policy, 
     with torch.inference_mode():
         for row, prompt in enumerate(prompts):
             cache = kvsieve.make_cache(model, policy, budget, **params)
-            model(prompt, past_key_values=cache)
+            model(prompt, cache=cache)
             caches.append(cache)
             solo = kvsieve.make_cache(model, policy, budget, **params)
-            model(prompt, past_key_values=solo)
-            alone.append(
-                torch.cat([model(feeds[row : row + 1, t : t + 1], past_key_values=solo).logits for t in range(steps)])
-            )
+            model(prompt, cache=solo)
+            alone.append(torch.cat([model(feeds[row : row + 1, t : t + 1], cache=solo).logits for t in range(steps)]))
         # Join the first two, decode two steps, then join the third (a request arriving at a step boundary).
         batch = caches[0]
         batch.join(caches[1])
@@ -48,7 +46,7 @@ def test_joined_rows_decode_as_alone(tiny_models, make_ids, model_name, policy, 
                 rows.append(2)
             ids = torch.stack([feeds[row, t - (2 if row == 2 else 0)] for row in rows])[:, None]
             positions = torch.stack([position[row] for row in rows])[:, None]
-            logits = model(ids, position_ids=positions, past_key_values=batch).logits
+            logits = model(ids, position_ids=positions, cache=batch).logits
             for i, row in enumerate(rows):
                 got[row].append(logits[i])
                 position[row] += 1
@@ -64,7 +62,7 @@ def test_only_caches_made_alike_join(tiny_models, make_ids) -> None:
     model = tiny_models("llama_gqa", torch.float32)
     a, b = kvsieve.make_cache(model, "h2o", 6), kvsieve.make_cache(model, "h2o", 7)
     with torch.inference_mode():
-        model(make_ids(1, 9), past_key_values=a)
-        model(make_ids(1, 9), past_key_values=b)
+        model(make_ids(1, 9), cache=a)
+        model(make_ids(1, 9), cache=b)
     with pytest.raises(ValueError, match="made alike"):
         a.join(b)

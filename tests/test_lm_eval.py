@@ -50,8 +50,8 @@ def _reference(model, context: list[int], continuation: list[int], policy: str, 
     ids = torch.tensor([context + continuation])
     first = len(context) if prefill else 1
     with torch.inference_mode():
-        logits = [model(ids[:, :first], past_key_values=cache).logits]
-        logits += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(first, ids.shape[1] - 1)]
+        logits = [model(ids[:, :first], cache=cache).logits]
+        logits += [model(ids[:, t : t + 1], cache=cache).logits for t in range(first, ids.shape[1] - 1)]
     return _logprob(torch.cat(logits, dim=1)[0, -len(continuation) :], continuation)
 
 
@@ -129,7 +129,7 @@ def test_generation_streams_the_prompt_and_decodes_under_the_budget(tiny, tokeni
     tokens, out = list(ids), []
     with torch.inference_mode():
         for t in range(len(ids) + max_new - 1):
-            logits = tiny(torch.tensor([tokens[t : t + 1]]), past_key_values=cache).logits
+            logits = tiny(torch.tensor([tokens[t : t + 1]]), cache=cache).logits
             if t >= len(ids) - 1:
                 tokens.append(int(logits[0, -1].argmax()))
                 out.append(tokens[-1])

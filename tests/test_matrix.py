@@ -96,7 +96,7 @@ def test_left_padded_batch_equals_rows_alone(model_name, policy, tiny_models) ->
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=kvsieve.make_cache(model, policy, 10),
+            cache=kvsieve.make_cache(model, policy, 10),
             do_sample=False,
             max_new_tokens=30,
             min_new_tokens=30,

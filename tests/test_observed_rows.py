@@ -22,11 +22,11 @@ def test_the_policies_that_declare_it():
 def _run(model: torch.nn.Module, spec: str, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list, list, torch.Tensor]:
     policy, params, _, _ = resolve_spec(spec, {})
     cache = kvsieve.make_cache(model, policy, 16, **params)
-    logits = [model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits]
+    logits = [model(ids, attention_mask=mask, cache=cache, use_cache=True).logits]
     token = logits[-1][:, -1:].argmax(-1)
     for _ in range(3):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        logits.append(model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+        logits.append(model(token, attention_mask=mask, cache=cache, use_cache=True).logits)
         token = logits[-1][:, -1:].argmax(-1)
     kept = [cache.positions(i).sort(dim=-1).values for i in range(len(cache.layers))]
     states = [{k: t[:, :, : layer.store.used] for k, t in layer.store.state.items()} for layer in cache.layers]

@@ -69,7 +69,7 @@ def _feed(model: PreTrainedModel, cache: Any, ids: torch.Tensor, mask: torch.Ten
             step = ids if t == 0 else steps[:, t - 1 : t]
             if t:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            logits.append(model(step, attention_mask=mask, past_key_values=cache).logits.double())
+            logits.append(model(step, attention_mask=mask, cache=cache).logits.double())
             check(cache)
     return torch.cat(logits, dim=1)
 

@@ -20,7 +20,7 @@ PHASE_POLICIES = ["h2o", "scissorhands", "snapkv", "streaming_llm", "knorm", "to
 def _feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """Logits of ``ids`` fed in one forward pass through ``cache``."""
     with torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=True).logits
+        return model(ids, cache=cache, use_cache=True).logits
 
 
 def _feed_one_by_one(model, cache, ids: torch.Tensor, slots: list[int] | None = None) -> torch.Tensor:
@@ -186,7 +186,7 @@ def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny
     n = qa.context_tokens
     positions = (mask.cumsum(-1) - 1)[:, n:]  # (what generate derives from the mask)
     with torch.no_grad():
-        logits = model(ids[:, n:], attention_mask=mask, position_ids=positions, past_key_values=batched).logits[:, -1]
+        logits = model(ids[:, n:], attention_mask=mask, position_ids=positions, cache=batched).logits[:, -1]
     for row, question in enumerate(QUESTIONS):
         alone_logits = _feed(model, qa.cache_copy(), qa.question_ids(question))[0, -1]
         torch.testing.assert_close(logits[row], alone_logits, rtol=1e-4, atol=1e-4)  # (summation order)
@@ -275,8 +275,9 @@ def test_ask_refuses_bad_arguments(tiny_lm) -> None:
         qa.ask(QUESTIONS, batch_size=0)
     with pytest.raises(ValueError, match="max_new_tokens must be positive"):
         qa.ask(QUESTIONS[0], max_new_tokens=0)
-    with pytest.raises(ValueError, match="sets past_key_values itself"):
-        qa.ask(QUESTIONS[0], past_key_values=None)
+    for name in ("cache", "past_key_values"):
+        with pytest.raises(ValueError, match=f"sets {name} itself"):
+            qa.ask(QUESTIONS[0], **{name: None})
 
 
 @pytest.mark.usefixtures("no_model")

@@ -47,7 +47,7 @@ def _plain_reference(model, ids, policy, budget, residual, bits, group):
     logits = []
     with torch.inference_mode():
         for t in range(ids.shape[1]):
-            logits.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+            logits.append(model(ids[:, t : t + 1], cache=cache).logits)
             aged = t + 1 - residual  # the next query reads the token at `aged` dequantized
             if aged < 0:
                 continue
@@ -69,7 +69,7 @@ def test_quantized_slots_equal_the_round_tripped_reference(tiny_models, make_ids
     expected = _plain_reference(model, ids, policy, 12, residual, bits, 8)
     cache = kvsieve.make_cache(model, policy, 12, kv_bits=bits, group_size=8, residual=residual)
     with torch.inference_mode():
-        got = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(ids.shape[1])], 1)
+        got = torch.cat([model(ids[:, t : t + 1], cache=cache).logits for t in range(ids.shape[1])], 1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
 
 
@@ -90,8 +90,8 @@ def test_a_prompt_then_single_tokens_equals_token_by_token(tiny_models, make_ids
     def run(prompt: int) -> torch.Tensor:
         cache = kvsieve.make_cache(model, "full", None, kv_bits=bits, group_size=8, residual=residual)
         with torch.inference_mode():
-            out = [model(ids[:, :prompt], past_key_values=cache).logits]
-            out += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(prompt, ids.shape[1])]
+            out = [model(ids[:, :prompt], cache=cache).logits]
+            out += [model(ids[:, t : t + 1], cache=cache).logits for t in range(prompt, ids.shape[1])]
         return torch.cat(out, dim=1)
 
     torch.testing.assert_close(run(30), run(1), rtol=0, atol=1e-10)
@@ -140,10 +140,10 @@ def _whole_and_steps(model, ids, policy, bits, rolling=False):
         )
         with torch.inference_mode():
             if stream:
-                logits = model(ids, past_key_values=cache).logits
+                logits = model(ids, cache=cache).logits
             else:
                 steps = range(ids.shape[1])
-                logits = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in steps], 1)
+                logits = torch.cat([model(ids[:, t : t + 1], cache=cache).logits for t in steps], 1)
         return logits, [layer.held_positions().sort(dim=-1).values for layer in cache.layers]
 
     return run(True), run(False)
@@ -163,14 +163,12 @@ def test_prompt_then_decode_with_padding_matches_unpadded_rows(tiny_models, make
         out = []
         with torch.inference_mode():
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            out.append(model(ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache).logits)
+            out.append(model(ids, attention_mask=attention_mask, position_ids=positions, cache=cache).logits)
             for i in range(steps):
                 nxt = torch.full((ids.shape[0], 1), 5 + i)
                 attention_mask = torch.cat([attention_mask, torch.ones_like(nxt)], dim=1)
                 positions = attention_mask.sum(-1, keepdim=True) - 1
-                out.append(
-                    model(nxt, attention_mask=attention_mask, position_ids=positions, past_key_values=cache).logits
-                )
+                out.append(model(nxt, attention_mask=attention_mask, position_ids=positions, cache=cache).logits)
         out[0] = out[0][:, -1:]
         return torch.cat(out, dim=1)
 
@@ -185,8 +183,8 @@ def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residu
     budget, group = 20, 8
     cache = kvsieve.make_cache(model, "h2o", budget, kv_bits=bits, group_size=group, residual=residual)
     with torch.inference_mode():
-        model(make_ids(2, 50), past_key_values=cache)
-        model(make_ids(2, 1, seed=9), past_key_values=cache)
+        model(make_ids(2, 50), cache=cache)
+        model(make_ids(2, 1, seed=9), cache=cache)
     batch, heads, dim = 2, 2, 16
     per_slot = dim * bits // 8 + 2 * (dim // group) * 2  # codes + float16 scale and zero (key and value alike)
     ring = (residual + 1) * dim * 4 if residual else 0  # exact fp32 copies (+ the padding slot)
@@ -199,7 +197,7 @@ def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residu
         assert held == predicted
     plain = kvsieve.make_cache(model, "h2o", budget)
     with torch.inference_mode():
-        model(make_ids(2, 50), past_key_values=plain)
+        model(make_ids(2, 50), cache=plain)
     assert cache.kv_nbytes() < plain.kv_nbytes()
 
 
@@ -209,7 +207,7 @@ def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, ma
     cache = kvsieve.make_cache(model, "ahakv", 10, kv_bits=2, group_size=8, residual=3)
     layer = cache.layers[1]
     with torch.inference_mode():
-        model(make_ids(1, 20), past_key_values=cache)
+        model(make_ids(1, 20), cache=cache)
         policy = layer.policy
         observe = policy.observe
 
@@ -218,7 +216,7 @@ def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, ma
             return observe(slots, obs)
 
         policy.observe = spy
-        model(make_ids(1, 1, seed=5), past_key_values=cache)
+        model(make_ids(1, 1, seed=5), cache=cache)
     slots = seen[-1]
     store = layer.store
     dequantized = store.codec.decode(store.kv, slots.pos.shape[-1], torch.float64)[1]
@@ -239,12 +237,12 @@ def test_generation_join_and_batch_operations_keep_quantized_rows(tiny_lm) -> No
     a, b = (kvsieve.make_cache(model, "h2o", 8, kv_bits=4, group_size=8) for _ in range(2))
     with torch.inference_mode():
         for cache, n in ((a, 12), (b, 15)):
-            model(torch.arange(3, 3 + n)[None], past_key_values=cache)
+            model(torch.arange(3, 3 + n)[None], cache=cache)
     a.join(b)
     assert a.layers[0].held_positions().shape[0] == 2
     plain = kvsieve.make_cache(model, "h2o", 8)
     with torch.inference_mode():
-        model(torch.arange(3, 15)[None], past_key_values=plain)
+        model(torch.arange(3, 15)[None], cache=plain)
     with pytest.raises(ValueError, match="quantization"):
         plain.join(b)
 
@@ -293,7 +291,7 @@ def test_padded_batch_streams_as_fed_token_by_token(tiny_models, make_ids, polic
                     ids[:, span],
                     attention_mask=mask[:, : span.stop],
                     position_ids=positions[:, span],
-                    past_key_values=cache,
+                    cache=cache,
                 ).logits
                 for span in spans
             ]

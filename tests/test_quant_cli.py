@@ -152,7 +152,7 @@ def test_predicted_bytes_equal_the_cache(tiny_lm, make_ids, bits, residual) -> N
     model, _ = tiny_lm
     cache = make_cache(model, "h2o", 16, kv_bits=bits, group_size=8, residual=residual)
     with torch.inference_mode():
-        model(make_ids(2, 40), past_key_values=cache)
+        model(make_ids(2, 40), cache=cache)
     slots = max(cache.capacities())
     predicted = held_kv_bytes(model, slots, cache.codec, batch=2)
     assert cache.kv_nbytes() == predicted == 2 * _quant_bytes(slots, bits, residual)

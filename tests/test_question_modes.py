@@ -35,12 +35,12 @@ def _greedy(model, cache, ids: torch.Tensor, steps: int) -> list[int]:
     """``steps`` greedy tokens after ``ids`` (fed in one pass through ``cache``), each but the last fed back."""
     out: list[int] = []
     with torch.inference_mode():
-        logits = model(ids, past_key_values=cache, use_cache=True).logits
+        logits = model(ids, cache=cache, use_cache=True).logits
         while True:
             out.append(int(logits[0, -1].argmax()))
             if len(out) == steps:
                 return out
-            logits = model(torch.tensor([out[-1:]]), past_key_values=cache, use_cache=True).logits
+            logits = model(torch.tensor([out[-1:]]), cache=cache, use_cache=True).logits
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
@@ -61,7 +61,7 @@ def test_agnostic_needle_compresses_the_haystack_before_the_question(tiny_lm, ha
 
     cache = kvsieve.make_cache(model, policy, BUDGET, decode_budget=None)  # reference from the cache alone
     with torch.inference_mode():
-        model(tok(context, return_tensors="pt").input_ids, past_key_values=cache, use_cache=True)
+        model(tok(context, return_tensors="pt").input_ids, cache=cache, use_cache=True)
     assert cache.slot_counts() == [BUDGET] * 3  # the haystack alone, compressed
     q = tok(question, add_special_tokens=False, return_tensors="pt").input_ids
     tokens = _greedy(model, cache, q, 8)
@@ -71,7 +71,7 @@ def test_agnostic_needle_compresses_the_haystack_before_the_question(tiny_lm, ha
     assert got == tok.decode(tokens[:end], skip_special_tokens=True).strip()
     aware = kvsieve.make_cache(model, policy, BUDGET)  # the aware protocol: the question compressed with it
     with torch.inference_mode():
-        model(tok(prompt, return_tensors="pt").input_ids, past_key_values=aware, use_cache=True)
+        model(tok(prompt, return_tensors="pt").input_ids, cache=aware, use_cache=True)
     assert aware.slot_counts() == [BUDGET] * 3
 
 
@@ -115,9 +115,9 @@ def test_agnostic_scoring_compresses_the_context_before_the_continuation(tiny_lm
         assert budget == round(0.5 * len(context))  # a ratio of the context
         cache = kvsieve.make_cache(model, policy, budget, decode_budget=None)
         with torch.inference_mode():
-            model(torch.tensor([context[:-1]]), past_key_values=cache, use_cache=True)
+            model(torch.tensor([context[:-1]]), cache=cache, use_cache=True)
             assert max(cache.slot_counts()) == budget
-            logits = model(torch.tensor([context[-1:] + continuation[:-1]]), past_key_values=cache).logits
+            logits = model(torch.tensor([context[-1:] + continuation[:-1]]), cache=cache).logits
         assert max(cache.slot_counts()) == budget + len(continuation)  # nothing after the context is evicted
         expected.append(_logprob(logits[0], continuation))
     torch.testing.assert_close([s for s, _ in got], expected, atol=1e-4, rtol=1e-5)
@@ -152,7 +152,7 @@ def test_agnostic_generation_compresses_the_prompt_but_its_last_token(tiny_lm, m
 
     cache = kvsieve.make_cache(model, "h2o", budget, decode_budget=None)
     with torch.inference_mode():
-        model(torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([ids[:-1]]), cache=cache, use_cache=True)
     tokens = _greedy(model, cache, torch.tensor([ids[-1:]]), max_new)
     assert text == tok.decode(tokens, skip_special_tokens=True)
 

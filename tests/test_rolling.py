@@ -41,8 +41,8 @@ def test_rotation_inverts_and_composes():
 def test_rolling_without_eviction_changes_nothing():
     model = _model(2)
     ids = torch.randint(0, 101, (2, 30))
-    plain = model(ids, past_key_values=kvsieve.make_cache(model, "full")).logits
-    rolled = model(ids, past_key_values=kvsieve.make_cache(model, "full", rolling=True)).logits
+    plain = model(ids, cache=kvsieve.make_cache(model, "full")).logits
+    rolled = model(ids, cache=kvsieve.make_cache(model, "full", rolling=True)).logits
     torch.testing.assert_close(rolled, plain, atol=1e-5, rtol=1e-5)
 
 
@@ -53,13 +53,13 @@ def test_rolling_streaming_llm_sees_kept_tokens_at_consecutive_positions():
     model = _model(1)
     ids = torch.randint(0, 101, (1, 40))
     cache = kvsieve.make_cache(model, "streaming_llm", 12, sink=2, rolling=True, stream=True)
-    logits = model(ids, past_key_values=cache).logits
+    logits = model(ids, cache=cache).logits
     kept = [0, 1, *range(29, 40)]  # before token 39: 2 sinks + tokens 29..38; then token 39 itself
-    ref = model(ids[:, kept], past_key_values=DynamicCache()).logits
+    ref = model(ids[:, kept], cache=DynamicCache()).logits
     torch.testing.assert_close(logits[:, -1], ref[:, -1], atol=1e-5, rtol=1e-5)
     # Without rolling the positions differ, and so do the logits.
     plain = kvsieve.make_cache(model, "streaming_llm", 12, sink=2, stream=True)
-    assert not torch.allclose(model(ids, past_key_values=plain).logits[:, -1], ref[:, -1], atol=1e-3)
+    assert not torch.allclose(model(ids, cache=plain).logits[:, -1], ref[:, -1], atol=1e-3)
 
 
 @torch.no_grad()
@@ -67,7 +67,7 @@ def test_rolling_streams_past_max_position_embeddings():
     model = _model(2)
     ids = torch.randint(0, 101, (1, 200))  # > max_position_embeddings = 64
     cache = kvsieve.make_cache(model, "h2o", 16, rolling=True, stream=True)
-    logits = model(ids, past_key_values=cache).logits
+    logits = model(ids, cache=cache).logits
     assert torch.isfinite(logits).all()
     assert max(cache.slot_counts()) <= 16
     assert cache.rolling
@@ -77,7 +77,7 @@ def test_rolling_rejects_models_with_several_rotary_embeddings_and_late_enabling
     model = _model(1)
     cache = kvsieve.make_cache(model, "local", 8)
     with torch.no_grad():
-        model(torch.randint(0, 101, (1, 4)), past_key_values=cache)
+        model(torch.randint(0, 101, (1, 4)), cache=cache)
     with pytest.raises(ValueError, match="before the cache is used"):
         cache.enable_rolling(Rotary.from_config(model.config))
     model.config.rope_parameters = {"full_attention": {"rope_theta": 1e4}, "sliding_attention": {"rope_theta": 1e4}}

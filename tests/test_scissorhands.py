@@ -117,14 +117,14 @@ def test_a_short_row_of_a_padded_batch_compresses_as_if_alone(tiny_models) -> No
         cache = kvsieve.make_cache(model, "scissorhands", 4)
         ids, full_mask, logits = tokens[:, :6], mask, []
         for t in range(steps + 1):
-            logits.append(model(ids, attention_mask=full_mask, past_key_values=cache).logits)
+            logits.append(model(ids, attention_mask=full_mask, cache=cache).logits)
             ids = tokens[:, 6 + t : 7 + t]
             full_mask = torch.cat([full_mask, full_mask.new_ones(3, 1)], dim=1)
         batch = torch.cat(logits, dim=1)
         for row, (length, alone) in enumerate(zip(lengths, caches, strict=True)):
             row_ids, row_logits = tokens[row : row + 1, 6 - length : 6], []
             for t in range(steps + 1):
-                row_logits.append(model(row_ids, past_key_values=alone).logits)
+                row_logits.append(model(row_ids, cache=alone).logits)
                 row_ids = tokens[row : row + 1, 6 + t : 7 + t]
             expected = torch.cat(row_logits, dim=1)[0]
             torch.testing.assert_close(batch[row, 6 - length :], expected, atol=1e-5, rtol=1e-5)

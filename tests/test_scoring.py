@@ -23,7 +23,7 @@ def _both_engines(model, ids: torch.Tensor, policy: str, budget: int, prefill: i
     for engine in ("decode", "whole"):
         cache = kvsieve.make_cache(model, policy, budget)
         with torch.no_grad():
-            model(ids[:, :prefill], past_key_values=cache)
+            model(ids[:, :prefill], cache=cache)
             logits = torch.cat([chunk for _, chunk in stream_logits(model, cache, ids[:, prefill:], engine)], dim=1)
         out.append((logits, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]))
     (decode, kept_decode), (whole, kept_whole) = out
@@ -47,13 +47,13 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
     ids = make_ids(2, 40)
     with torch.no_grad():
         cache = kvsieve.make_cache(llama_gqa, policy, 16)
-        decode = torch.cat([llama_gqa(ids[:, i : i + 1], past_key_values=cache).logits for i in range(40)], dim=1)
+        decode = torch.cat([llama_gqa(ids[:, i : i + 1], cache=cache).logits for i in range(40)], dim=1)
         kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
         steps = []
         monkeypatch.setattr(SieveLayer, "_step", _counting(SieveLayer._step, steps))
         monkeypatch.setattr(layer_module, "scan", _counting(layer_module.scan, steps, scanned=True))
         cache = kvsieve.make_cache(llama_gqa, policy, 16, stream=True)
-        whole = llama_gqa(ids, past_key_values=cache).logits
+        whole = llama_gqa(ids, cache=cache).logits
     torch.testing.assert_close(whole, decode, atol=1e-4, rtol=1e-4)
     for a, b in zip(kept, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))], strict=True):
         assert torch.equal(a, b)
@@ -88,7 +88,7 @@ def test_stream_of_a_padded_batch_equals_token_by_token(policy, llama_gqa, make_
                     ids[:, i : i + 1],
                     attention_mask=mask[:, : i + 1],
                     position_ids=positions[:, i : i + 1],
-                    past_key_values=cache,
+                    cache=cache,
                 ).logits
                 for i in range(190)
             ],
@@ -101,7 +101,7 @@ def test_stream_of_a_padded_batch_equals_token_by_token(policy, llama_gqa, make_
             scanned.append([])
             monkeypatch.setattr(layer_module, "scan", _counting(scan, scanned[-1], scanned=True))
             kwargs = {"attention_mask": mask[:, : span.stop], "position_ids": positions[:, span]}
-            whole.append(llama_gqa(ids[:, span], past_key_values=cache, **kwargs).logits)
+            whole.append(llama_gqa(ids[:, span], cache=cache, **kwargs).logits)
     real = mask.bool()
     torch.testing.assert_close(torch.cat(whole, dim=1)[real], decode[real], atol=1e-4, rtol=1e-4)
     for a, b in zip(kept, [cache.positions(i).sort(-1).values for i in range(len(cache.layers))], strict=True):

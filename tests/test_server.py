@@ -197,7 +197,7 @@ def test_reservation_is_what_the_cache_holds(tiny_models, make_ids, model_name, 
     with torch.inference_mode():
         step = ids
         for _ in range(tokens - 1):  # (the last token is never fed)
-            logits = model(step, past_key_values=cache).logits
+            logits = model(step, cache=cache).logits
             step = logits[:, -1:].argmax(-1)
             peak = max(peak, cache.nbytes())
     assert cache.nbytes() == peak == reserved.steady

@@ -62,13 +62,13 @@ def test_decode_step_is_static(tiny_models, model_name: str, policy: str, quant:
     cache = kvsieve.make_cache(model, policy, 16, **quant)
     ids = torch.randint(3, 120, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        token = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(2):  # (the first decode steps leave the prompt's buffers for the budget's)
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         buffers = _buffers(cache)
         probe = SyncProbe()
         with probe:
             for _ in range(3):
-                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     assert probe.calls == {}, f"{policy}: host reads in a decode step: {dict(probe.calls)}"
     assert _buffers(cache) == buffers

@@ -55,11 +55,11 @@ def stream(
     the first pass, then after each token."""
     ids = ids.to(model.device)
     with cache.streaming(), layer_progress(model, cache.policy_name, progress):
-        model(ids[:, :per_token_from], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids[:, :per_token_from], cache=cache, use_cache=True, logits_to_keep=1)
     steps = range(per_token_from - 1, ids.shape[1])
     for i in tqdm(steps, desc=f"{cache.policy_name} decode", unit="tok", disable=not progress, leave=False):
         if i >= per_token_from:
-            model(ids[:, i : i + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids[:, i : i + 1], cache=cache, use_cache=True, logits_to_keep=1)
         if after_step is not None:
             after_step(i)
 

@@ -111,7 +111,7 @@ def _sync(device: torch.device) -> None:
 
 def next_token(model: PreTrainedModel, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward step (greedy, the last position's logits only); returns the next tokens ``[B, 1]``."""
-    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1:].argmax(-1)
     _sync(ids.device)
     return token

@@ -47,7 +47,7 @@ def greedy_continue(
     token = last_token
     start = time.perf_counter()
     for _ in range(n):
-        logits = model(token, past_key_values=cache, use_cache=True).logits
+        logits = model(token, cache=cache, use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
         out.append(int(token))
     return out, n / (time.perf_counter() - start)

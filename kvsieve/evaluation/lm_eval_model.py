@@ -295,7 +295,7 @@ class KVSieveLM(TemplateLM):
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=keep,
         ).logits
@@ -399,7 +399,7 @@ class KVSieveLM(TemplateLM):
         out = self.model.generate(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=max_new,
             stop_strings=until or None,
             tokenizer=self.tokenizer,

@@ -78,7 +78,7 @@ def stream_logits(
         ) as bar,
     ):
         for start in range(0, ids.shape[1], chunk):
-            logits = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True).logits
+            logits = model(ids[:, start : start + chunk], cache=cache, use_cache=True).logits
             bar.update(logits.shape[1])
             yield start, logits
 
@@ -123,7 +123,7 @@ def stream_perplexity(
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     cache = make_cache(model, policy, budget_tokens, rolling=rolling, **policy_kwargs)
     start = time.perf_counter()
-    logits = model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[:, :prefill], cache=cache, use_cache=True).logits
     nll = _nll(logits, ids[:, 1 : prefill + 1])
     stream_start = time.perf_counter()
     rest = ids[:, prefill : length - 1]
@@ -183,10 +183,10 @@ def context_perplexity(
         raise ValueError(f"context must be in [1, {length - 2}] for a text of {length} tokens, got {context}")
     cache = make_cache(model, policy, resolve_budget(budget, context), **policy_kwargs)
     start = time.perf_counter()
-    model(ids[:, :context], past_key_values=cache, use_cache=True)
+    model(ids[:, :context], cache=cache, use_cache=True)
     kv_slots = max(cache.slot_counts())
     kv_bytes, state_bytes = cache.kv_nbytes(), cache.state_nbytes()
-    logits = model(ids[:, context:-1], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[:, context:-1], cache=cache, use_cache=True).logits
     scored = length - 1 - context
     mean = _nll(logits, ids[:, context + 1 :]).item() / scored
     result = PerplexityResult(

@@ -517,7 +517,7 @@ class PrefillPositions(CellExperiment):
         n = ids.shape[1]
         cache = make_cache(model, params["policy"], resolve_budget(self.budget, n))
         with torch.inference_mode():
-            model(ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(ids.to(model.device), cache=cache, use_cache=True, logits_to_keep=1)
         pooled = torch.cat([cache.positions(layer)[0].flatten() for layer in range(len(cache.layers))]).cpu()
         counts = torch.bincount(pooled * BINS // n, minlength=BINS).tolist()
         return {

@@ -378,9 +378,7 @@ class Scheduler:
         """One forward pass of ``jobs``' rows of ``cache``: each job's prompt or last token; each gets its next."""
         try:
             with torch.inference_mode():
-                out = self.model(
-                    input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
-                )
+                out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].float()
             held = cache.nbytes() // len(jobs)
             for job, row in zip(jobs, logits, strict=True):
