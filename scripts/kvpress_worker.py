@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import statistics
 import sys
@@ -74,9 +75,16 @@ def load(model_dir: str, threads: int) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
+def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache) -> Any:
+    """``model(ids)`` over ``cache``, the last position's logits only. The cache argument is ``cache`` since
+    transformers 5.24 (kvsieve's side) and ``past_key_values`` before (kvpress's side, transformers < 5.3)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(ids, use_cache=True, logits_to_keep=1, **{name: cache})
+
+
 def next_token(model: PreTrainedModel, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward pass (the last position's logits only); the greedy next tokens ``[B, 1]``."""
-    return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    return forward(model, ids, cache).logits[:, -1:].argmax(-1)
 
 
 @functools.cache
@@ -185,7 +193,7 @@ class KvpressSide:
         if kept and self.reference is None:  # the prompt's keys, unpressed: a press keeps copies of some of them
             full = DynamicCache(config=self.model.config)
             with torch.inference_mode():
-                self.model(ids, past_key_values=full, use_cache=True, logits_to_keep=1)
+                forward(self.model, ids, full)
             self.reference = [layer.keys[0].clone() for layer in full.layers]
         press = self.presses[method](compression_ratio=self.ratio)
         return Setup(
