@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvsieve.engine.compiled import compiled_decide
 from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs, weighted_values
 from kvsieve.engine.stream import chunk_positions
@@ -182,6 +183,11 @@ def _decide(
     slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
     policy, limit = layer.policy, layer.limit  # (scanned runs are bounded: the limit holds for the run)
     first = pos.shape[2] - query_pos.shape[1]
+    rule = None if pads is not None else policy.scan_rule()
+    decided = compiled_decide(rule, logits, pos, query_pos, state, first, limit)
+    if decided is not None:  # (the same decisions in one compiled loop)
+        gone, held = decided
+        return gone, None if held == pos.shape[2] else _survivors(pos, pads, held)
     held, evicted, gones = first, 0, []
     # Views made once for the whole run (indexing costs more than the arithmetic on tensors this small).
     columns = pos[:, :, first:].unbind(2)
@@ -235,8 +241,11 @@ def _decide(
     gone = torch.stack(gones, dim=2)
     if real is not None:
         gone &= real[:, None, :, None]
-    if not evicted:
-        return gone, None
+    return gone, _survivors(pos, pads, held) if evicted else None
+
+
+def _survivors(pos: torch.Tensor, pads: torch.Tensor | None, held: int) -> torch.Tensor:
+    """The ``held`` slots ``[B, H, held]`` that still hold a token (or padding), in slot order."""
     held_slots = pos >= 0 if pads is None else (pos >= 0) | pads
     kept = held_slots.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[:, :, :held]
-    return gone, kept.sort(dim=-1).values
+    return kept.sort(dim=-1).values

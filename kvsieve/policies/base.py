@@ -148,6 +148,18 @@ class Observation:
         return self.mask
 
 
+@dataclass(frozen=True)
+class ScoreRule:
+    """A rule a policy's ``observe`` and ``keep_scores`` may follow: each observed query's attention probabilities,
+    summed over its GQA group (and then over the layer's KV heads, ``across_heads``), are added to the ``score``
+    state (:data:`SCORE_STATE`; ``accumulate``) or replace it; ``keep_scores`` is that score with the slots at the
+    ``recent`` newest positions protected (:func:`recent_mask`): the victim is the lowest-scored slot outside them."""
+
+    accumulate: bool
+    recent: int = 0
+    across_heads: bool = False
+
+
 class Policy:
     """Base class. Subclasses set ``name``, ``paper``, ``Params`` (a dataclass of their parameters) and override what
     they need. One instance serves one cache layer and knows that layer's ``budget`` (``None`` = unbounded)."""
@@ -273,6 +285,11 @@ class Policy:
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         """``[B, H, N]`` priority of each slot (higher = kept); called when a step leaves more than ``n_keep``."""
         raise NotImplementedError(f"{self.name} keeps everything: it has no priorities")
+
+    def scan_rule(self) -> ScoreRule | None:
+        """What :meth:`observe` and :meth:`keep_scores` compute, as a rule the stream protocol's compiled scan runs
+        (:mod:`kvsieve.engine.compiled`), or None (the default): the scan then calls them token by token."""
+        return None
 
 
 class PositionalPolicy(Policy):

@@ -12,6 +12,7 @@ from kvsieve.policies.base import (
     SCORE_STATE,
     Observation,
     Policy,
+    ScoreRule,
     Slots,
     accumulate,
     protect,
@@ -54,7 +55,9 @@ class H2O(Policy):
       step it evicts exactly the lowest-scored token outside the recent window.
 
     Choices: padding queries add nothing; the original code assumes batch size 1 and sums the batch dimension,
-    here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``.
+    here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``. With the default
+    ``transform`` and no ``normalize`` the rule is a :class:`~kvsieve.policies.base.ScoreRule` (``scan_rule``):
+    the stream protocol's scan then decides on CPU in one compiled loop, with the same decisions.
 
     Variants:
 
@@ -110,3 +113,7 @@ class H2O(Policy):
         if self.params.normalize:
             score = score / (slots.age + 1)
         return protect(score, recent_mask(slots.pos, slots.last, self.recent))
+
+    def scan_rule(self) -> ScoreRule | None:
+        plain = self.params.transform == "identity" and not self.params.normalize
+        return ScoreRule(accumulate=True, recent=self.recent) if plain else None

@@ -14,6 +14,7 @@ from kvsieve.policies.base import (
     Observation,
     Policy,
     PositionalPolicy,
+    ScoreRule,
     Slots,
     accumulate,
     demote,
@@ -90,6 +91,11 @@ class HeavyHitters(Policy):
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return protect(slots.state["score"], self.pattern_kept(slots))
+
+    def scan_rule(self) -> ScoreRule | None:
+        # The local pattern keeps the newest tokens, which are all held (kept since they came): the ``share``
+        # newest positions, as h2o's recent window.
+        return ScoreRule(accumulate=True, recent=self.share) if self.base.name == "local" else None
 
 
 def with_heavy_hitters(base: type[PositionalPolicy]) -> type[HeavyHitters]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, register
+from kvsieve.policies.base import SCORE_STATE, Observation, Policy, ScoreRule, Slots, register
 
 
 @dataclass(frozen=True)
@@ -49,3 +49,6 @@ class TOVA(Policy):
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return slots.state["score"]
+
+    def scan_rule(self) -> ScoreRule:
+        return ScoreRule(accumulate=False, across_heads=not self.params.per_head)
