@@ -8,7 +8,7 @@ import torch
 import kvsieve
 from kvsieve.engine import compiled
 from kvsieve.policies import REGISTRY
-from kvsieve.policies.base import ScoreRule
+from kvsieve.policies.base import LowMarks, ScoreRule
 from kvsieve.policies.h2o import H2O
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
@@ -28,6 +28,8 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
     runs = []
     loop = compiled._score_rule
     monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(1) or loop(*args))
+    marks = compiled._low_marks
+    monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(1) or marks(*args))
     fast = _streamed(model, ids, policy, budget, mask, **kwargs)
     monkeypatch.setattr(compiled, "ENABLED", False)
     slow = _streamed(model, ids, policy, budget, mask, **kwargs)
@@ -48,6 +50,9 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
         ("tova", "llama_mha", torch.float64, 11, {}),
         ("h2o+local", "llama_gqa", torch.float32, 9, {}),
         ("h2o+local", "llama_mha", torch.float32, 20, {"heavy_ratio": 0.2}),
+        ("scissorhands", "llama_gqa", torch.float32, 12, {}),
+        ("scissorhands", "llama_gqa", torch.float32, 16, {"window": 7, "drop": 1, "recent": 0}),
+        ("scissorhands", "llama_mha", torch.float64, 10, {"threshold": "paper", "drop": 3}),
     ],
 )
 def test_the_compiled_loop_streams_as_the_torch_scan(
@@ -81,6 +86,7 @@ def test_only_policies_with_such_a_rule_state_it() -> None:
     assert rules.pop("h2o") == ScoreRule(accumulate=True, recent=8)
     assert rules.pop("tova") == ScoreRule(accumulate=False, across_heads=True)
     assert rules.pop("h2o+local") == ScoreRule(accumulate=True, recent=8)
+    assert rules.pop("scissorhands") == LowMarks(window=100, recent=9, drop=8, by_step=False)
     assert set(rules.values()) == {None}
     assert H2O(16, H2O.make_params(normalize=True)).scan_rule() is None
     assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, recent=3)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsieve.policies.base import ScoreRule
+from kvsieve.policies.base import ScanRule, ScoreRule
 
 try:
     import numba
@@ -26,6 +26,41 @@ except ImportError:  # (the `fast` extra is not installed)
 
 ENABLED = numba is not None
 """Whether scans use the compiled loop where they can (tests switch it off to compare with the torch scan)."""
+
+
+def _group_probs(
+    logits: np.ndarray, pos: np.ndarray, b: int, h: int, t: int, probs: np.ndarray, total: np.ndarray
+) -> int:
+    """``total`` (zeroed first) = the softmax over the held slots of query ``t``'s logits, summed over the group's
+    heads in order; returns the number of slots held. (The query's own token is held.)"""
+    group, n = logits.shape[2], logits.shape[4]
+    own = n - logits.shape[3] + t
+    total[:] = 0
+    zero = total[0]  # (in the logits' dtype)
+    held = 0
+    for j in range(n):
+        held += pos[b, h, j] >= 0
+    for g in range(group):
+        high = logits[b, h, g, t, own]
+        for j in range(n):
+            if pos[b, h, j] >= 0 and logits[b, h, g, t, j] > high:
+                high = logits[b, h, g, t, j]
+        mass = zero
+        for j in range(n):
+            e = np.exp(logits[b, h, g, t, j] - high) if pos[b, h, j] >= 0 else zero
+            probs[j] = e
+            mass += e
+        for j in range(n):
+            total[j] += probs[j] / mass
+    return held
+
+
+def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position: int) -> None:
+    """Reveal the run's ``t``-th slot (at ``position``) and note what query ``t`` cannot see."""
+    n = pos.shape[2]
+    pos[b, h, n - gone.shape[2] + t] = position
+    for j in range(n):
+        gone[b, h, t, j] = pos[b, h, j] < 0
 
 
 def _score_rule(
@@ -45,32 +80,16 @@ def _score_rule(
     -1; evicted slots become -1), ``query_pos`` ``[B, c]``, ``score`` ``[B, H, N]`` (updated), ``gone``
     ``[B, H, c, N]`` (filled: the slots each query could not see), ``held`` slots held before the run. Returns the
     slots held after it."""
-    bsz, heads, group, c, n = logits.shape
-    first = n - c
+    bsz, heads, _, c, n = logits.shape
     probs = np.empty(n, dtype=logits.dtype)
     total = np.zeros((heads, n), dtype=logits.dtype)
-    zero = total[0, 0]  # (in the logits' dtype)
     for t in range(c):
         held += 1
         for b in range(bsz):
             last = query_pos[b, t]
             for h in range(heads):
-                pos[b, h, first + t] = last
-                total[h] = 0
-                for j in range(n):
-                    gone[b, h, t, j] = pos[b, h, j] < 0
-                for g in range(group):
-                    high = logits[b, h, g, t, first + t]  # (the query's own token is held)
-                    for j in range(n):
-                        if pos[b, h, j] >= 0 and logits[b, h, g, t, j] > high:
-                            high = logits[b, h, g, t, j]
-                    mass = zero
-                    for j in range(n):
-                        e = np.exp(logits[b, h, g, t, j] - high) if pos[b, h, j] >= 0 else zero
-                        probs[j] = e
-                        mass += e
-                    for j in range(n):
-                        total[h, j] += probs[j] / mass
+                _reveal(pos, gone, b, h, t, last)
+                _group_probs(logits, pos, b, h, t, probs, total[h])
             if across_heads:
                 for h in range(1, heads):
                     total[0] += total[h]
@@ -89,12 +108,58 @@ def _score_rule(
     return held
 
 
+def _low_marks(
+    logits: np.ndarray,
+    pos: np.ndarray,
+    query_pos: np.ndarray,
+    low: np.ndarray,
+    gone: np.ndarray,
+    held: int,
+    limit: int,
+    recent: int,
+    drop: int,
+    by_step: bool,
+) -> int:
+    """The run's decisions under :class:`~kvsieve.policies.base.LowMarks` (as :func:`_score_rule`; ``low``
+    ``[B, H, N, window]``, updated)."""
+    bsz, heads, group, c, n = logits.shape
+    window = low.shape[3]
+    probs = np.empty(n, dtype=logits.dtype)
+    total = np.zeros(n, dtype=logits.dtype)
+    order = np.empty(n, dtype=np.float64)
+    for t in range(c):
+        held += 1
+        target = held if held <= limit else (limit if held - limit > 1 else held - drop)
+        for b in range(bsz):
+            last = query_pos[b, t]
+            column = last % window
+            for h in range(heads):
+                _reveal(pos, gone, b, h, t, last)
+                attended = _group_probs(logits, pos, b, h, t, probs, total)
+                bar = np.float32(group) / np.float32(last + 1 if by_step else attended)
+                for j in range(n):
+                    low[b, h, j, column] = pos[b, h, j] >= 0 and total[j] < bar
+                if target == held:
+                    continue
+                for j in range(n):  # fewest marks first, then newest: pos - marks * (last + 1)
+                    protected = pos[b, h, j] < 0 or pos[b, h, j] > last - recent
+                    order[j] = np.inf if protected else pos[b, h, j] - low[b, h, j].sum() * (last + 1.0)
+                for _ in range(held - target):
+                    victim = np.argmin(order)
+                    pos[b, h, victim] = -1
+                    order[victim] = np.inf
+        held = target
+    return held
+
+
 if numba is not None:
-    _score_rule = numba.njit(cache=True, nogil=True)(_score_rule)
+    _group_probs, _reveal, _score_rule, _low_marks = (
+        numba.njit(cache=True, nogil=True)(f) for f in (_group_probs, _reveal, _score_rule, _low_marks)
+    )
 
 
 def compiled_decide(
-    rule: ScoreRule | None,
+    rule: ScanRule | None,
     logits: torch.Tensor | None,
     pos: torch.Tensor,
     query_pos: torch.Tensor,
@@ -103,22 +168,18 @@ def compiled_decide(
     limit: int,
 ) -> tuple[torch.Tensor, int] | None:
     """A run's decisions by the compiled loop (see the module docstring): what each query could not see
-    ``[B, H, c, N]`` and the slots held after the run; ``pos`` and the scores change in place. None when the loop
-    does not apply (no rule, no numba, not on CPU, more than one victim per token) and the torch scan decides."""
+    ``[B, H, c, N]`` and the slots held after the run; ``pos`` and the policy's state change in place. None when the
+    loop does not apply (no rule, no numba, not on CPU, more than one token over the limit) and the torch scan
+    decides."""
     if not ENABLED or rule is None or logits is None or logits.device.type != "cpu" or held > limit:
         return None
     bsz, heads, _, c, n = logits.shape
     gone = torch.empty((bsz, heads, c, n), dtype=torch.bool)
-    held = _score_rule(
-        logits.detach().numpy(),
-        pos.numpy(),
-        query_pos.numpy(),
-        state["score"].numpy(),
-        gone.numpy(),
-        held,
-        limit,
-        rule.accumulate,
-        rule.recent,
-        rule.across_heads,
-    )
+    run = logits.detach().numpy(), pos.numpy(), query_pos.numpy()
+    if isinstance(rule, ScoreRule):
+        held = _score_rule(
+            *run, state["score"].numpy(), gone.numpy(), held, limit, rule.accumulate, rule.recent, rule.across_heads
+        )
+    else:
+        held = _low_marks(*run, state["low"].numpy(), gone.numpy(), held, limit, rule.recent, rule.drop, rule.by_step)
     return gone, held

@@ -160,6 +160,24 @@ class ScoreRule:
     across_heads: bool = False
 
 
+@dataclass(frozen=True)
+class LowMarks:
+    """Scissorhands' rule: each observed query marks, in a ring of the last ``window`` queries (the ``low`` state,
+    ``[..., window]`` bools, its column the query's position mod ``window``), the slots whose group-summed
+    probability is below ``G / t`` (``t``: the slots it attended, or its position + 1 when ``by_step``); when a step
+    leaves more than ``limit`` slots it keeps ``limit`` (a prompt) or drops ``drop`` (one over: a decode step), the
+    most-marked first, then the oldest, never the ``recent`` newest positions."""
+
+    window: int
+    recent: int
+    drop: int
+    by_step: bool
+
+
+ScanRule = ScoreRule | LowMarks
+"""The rules the stream protocol's compiled scan runs (:meth:`Policy.scan_rule`)."""
+
+
 class Policy:
     """Base class. Subclasses set ``name``, ``paper``, ``Params`` (a dataclass of their parameters) and override what
     they need. One instance serves one cache layer and knows that layer's ``budget`` (``None`` = unbounded)."""
@@ -286,9 +304,10 @@ class Policy:
         """``[B, H, N]`` priority of each slot (higher = kept); called when a step leaves more than ``n_keep``."""
         raise NotImplementedError(f"{self.name} keeps everything: it has no priorities")
 
-    def scan_rule(self) -> ScoreRule | None:
-        """What :meth:`observe` and :meth:`keep_scores` compute, as a rule the stream protocol's compiled scan runs
-        (:mod:`kvsieve.engine.compiled`), or None (the default): the scan then calls them token by token."""
+    def scan_rule(self) -> ScanRule | None:
+        """What :meth:`observe`, :meth:`n_keep` and :meth:`keep_scores` compute, as a rule the stream protocol's
+        compiled scan runs (:mod:`kvsieve.engine.compiled`), or None (the default): the scan then calls them token by
+        token."""
         return None
 
 

@@ -8,7 +8,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import Observation, Policy, Slots, drop_in_bulk, protect, recent_mask, register
+from kvsieve.policies.base import (
+    LowMarks,
+    Observation,
+    Policy,
+    Slots,
+    drop_in_bulk,
+    protect,
+    recent_mask,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,9 @@ class Scissorhands(Policy):
       had fewer chances to be marked. Memory: ``w`` bytes (torch bools) per slot, KV head and layer — 100 bytes
       next to 256 bytes of bf16 K+V for head_dim 64; packing bits would divide it by 8.
     - Ties in the count: the older token is dropped first. Padding queries mark nothing.
+
+    The rule is :class:`~kvsieve.policies.base.LowMarks` (``scan_rule``): the stream protocol's scan decides on CPU
+    in one compiled loop, with the same decisions.
     """
 
     name = "scissorhands"
@@ -111,3 +123,6 @@ class Scissorhands(Policy):
         count = slots.state["low"].sum(dim=-1)
         score = (slots.pos - count * (slots.last[:, None, None] + 1)).double()  # fewest marks first, then newest
         return protect(score, recent_mask(slots.pos, slots.last, self.recent))
+
+    def scan_rule(self) -> LowMarks:
+        return LowMarks(self.params.window, self.recent, self.drop, by_step=self.params.threshold == "paper")

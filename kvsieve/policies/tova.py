@@ -27,7 +27,9 @@ class TOVA(Policy):
     it evicts the token the current query attends to least. Nothing is protected.
 
     Choices: with ``per_head=True`` the score is per KV head (its group's query heads summed), which the paper does
-    not do. With left padding the step's last query is real in every row. Ties follow ``torch.topk``.
+    not do. With left padding the step's last query is real in every row. Ties follow ``torch.topk``. The rule is a
+    :class:`~kvsieve.policies.base.ScoreRule` (``scan_rule``): the stream protocol's scan decides on CPU in one
+    compiled loop, with the same decisions.
     """
 
     name = "tova"
