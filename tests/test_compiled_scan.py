@@ -24,17 +24,18 @@ def _streamed(model, ids, policy, budget, mask=None, **kwargs):
 
 
 def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
-    """The stream with the compiled loop (and how many runs it decided) and with the torch scan."""
+    """The stream with the compiled loop (and, for each run it decided, whether padding was held) and with the
+    torch scan."""
     runs = []
     loop = compiled._score_rule
-    monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(1) or loop(*args))
+    monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(bool(args[4].any())) or loop(*args))
     marks = compiled._low_marks
-    monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(1) or marks(*args))
+    monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(False) or marks(*args))
     fast = _streamed(model, ids, policy, budget, mask, **kwargs)
     monkeypatch.setattr(compiled, "ENABLED", False)
     slow = _streamed(model, ids, policy, budget, mask, **kwargs)
     monkeypatch.setattr(compiled, "ENABLED", True)
-    return fast, slow, len(runs)
+    return fast, slow, runs
 
 
 @pytest.mark.parametrize(
@@ -66,19 +67,28 @@ def test_the_compiled_loop_streams_as_the_torch_scan(
     assert all(map(torch.equal, fast_kept, slow_kept))
     assert torch.equal(fast_logits, slow_logits)
     if model_name != "gemma3":  # (its sliding layers are not scanned: the window)
-        assert runs >= model.config.num_hidden_layers * 2
+        assert len(runs) >= model.config.num_hidden_layers * 2
 
 
-def test_the_torch_scan_decides_where_the_loop_does_not_apply(llama_gqa, make_ids, monkeypatch) -> None:
-    """Padding in the batch, and h2o variants whose rule is not an accumulated sum: the loop never runs, and the
-    results are the torch scan's."""
-    mask = torch.ones(2, 120, dtype=torch.long)
+@pytest.mark.parametrize(("policy", "params"), [("h2o", {}), ("tova", {}), ("h2o+local", {}), ("h2o", {"recent": 0})])
+def test_left_padded_batches_stream_the_same_with_the_compiled_loop(llama_gqa, make_ids, monkeypatch, policy, params):
+    """Padding slots go first, padding queries observe nothing and see every slot: as in the torch scan."""
+    mask = torch.ones(2, 140, dtype=torch.long)
     mask[1, :7] = 0
-    padded = _both(llama_gqa, make_ids(2, 120), "h2o", 9, monkeypatch, mask=mask)
-    variant = _both(llama_gqa, make_ids(2, 120), "h2o", 9, monkeypatch, transform="sqrt")
-    for fast, slow, runs in (padded, variant):
-        assert runs == 0
-        assert torch.equal(fast[0], slow[0])
+    (fast_logits, fast_kept), (slow_logits, slow_kept), runs = _both(
+        llama_gqa, make_ids(2, 140), policy, 9, monkeypatch, mask=mask, **params
+    )
+    assert len(runs) >= 3 * 2 and any(runs)  # (padding held in some)
+    assert all(map(torch.equal, fast_kept, slow_kept))
+    assert torch.equal(fast_logits, slow_logits)
+
+
+def test_the_torch_scan_decides_where_no_rule_applies(llama_gqa, make_ids, monkeypatch) -> None:
+    """An h2o variant whose rule is not an accumulated sum: the loop never runs, and the results are the torch
+    scan's."""
+    fast, slow, runs = _both(llama_gqa, make_ids(2, 120), "h2o", 9, monkeypatch, transform="sqrt")
+    assert not runs
+    assert torch.equal(fast[0], slow[0])
 
 
 def test_only_policies_with_such_a_rule_state_it() -> None:

@@ -4,12 +4,15 @@ another device, :mod:`kvsieve.engine.scan` steps through the run with torch ops)
 
 In a scanned run every query's logits are known before the first decision (:mod:`kvsieve.engine.scan`); what is
 left is, token by token: reveal the token's slot, softmax its query's logits over the slots held, add them to the
-scores, evict the lowest-scored slot. With torch each of these is a dispatched op on a few hundred numbers, about
-100 µs per token and layer on this CPU; here the whole run is one call. The loop does what the torch scan does, in
-the same order: each query head's probabilities ``exp(l - max) / sum`` over the held slots, the group's heads
-summed in order, the sum added to the fp32 score; the victim is the first slot of the lowest score among the held
-slots outside the recent window (``torch.argmin``'s tie rule). The exponentials are not torch's vectorized ones, so
-scores may differ from the torch scan's in the last bits (tested: the same kept tokens and logits).
+scores, evict. With torch each of these is a dispatched op on a few hundred numbers, 80–160 µs per token and layer
+on this CPU; here the whole run is one call. The loops do what the torch scan does, in the same order: each query
+head's probabilities ``exp(l - max) / sum`` over the held slots, the group's heads summed in order, then the
+policy's state updated; victims are chosen with ``torch.argmin``'s tie rule (the first lowest) or, for several at
+once, as the set ``torch.topk`` returns. Padding is handled as the torch scan handles it (padding slots go first, a
+padding query observes nothing and sees every slot) under a :class:`~kvsieve.policies.base.ScoreRule`; a
+:class:`~kvsieve.policies.base.LowMarks` policy counts each row's tokens, so padded runs are never scanned for it.
+The exponentials are not torch's vectorized ones, so scores may differ from the torch scan's in the last bits
+(tested: the same kept tokens and bitwise the same logits).
 """
 
 from __future__ import annotations
@@ -55,18 +58,21 @@ def _group_probs(
     return held
 
 
-def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position: int) -> None:
-    """Reveal the run's ``t``-th slot (at ``position``) and note what query ``t`` cannot see."""
+def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position: int, real: bool) -> None:
+    """Reveal the run's ``t``-th slot (at ``position``, -1 for padding) and note what query ``t`` cannot see (a
+    padding query: nothing, it sees every slot)."""
     n = pos.shape[2]
     pos[b, h, n - gone.shape[2] + t] = position
     for j in range(n):
-        gone[b, h, t, j] = pos[b, h, j] < 0
+        gone[b, h, t, j] = real and pos[b, h, j] < 0
 
 
 def _score_rule(
     logits: np.ndarray,
     pos: np.ndarray,
     query_pos: np.ndarray,
+    lasts: np.ndarray,
+    pads: np.ndarray,
     score: np.ndarray,
     gone: np.ndarray,
     held: int,
@@ -77,19 +83,25 @@ def _score_rule(
 ) -> int:
     """The run's decisions under a :class:`~kvsieve.policies.base.ScoreRule` (``accumulate``, ``recent``,
     ``across_heads``): ``logits`` ``[B, H, G, c, N]``, ``pos`` ``[B, H, N]`` (the run's ``c`` slots last, hidden as
-    -1; evicted slots become -1), ``query_pos`` ``[B, c]``, ``score`` ``[B, H, N]`` (updated), ``gone``
-    ``[B, H, c, N]`` (filled: the slots each query could not see), ``held`` slots held before the run. Returns the
-    slots held after it."""
+    -1; evicted slots become -1), ``query_pos`` ``[B, c]`` (-1: padding), ``lasts`` ``[B, c]`` each row's newest
+    position at each token, ``pads`` ``[B, H, N]`` the slots holding padding (updated: they go first), ``score``
+    ``[B, H, N]`` (updated; a padding query observes zeros), ``gone`` ``[B, H, c, N]`` (filled: the slots each query
+    could not see), ``held`` slots held before the run. Returns the slots held after it."""
     bsz, heads, _, c, n = logits.shape
+    first = n - c
     probs = np.empty(n, dtype=logits.dtype)
     total = np.zeros((heads, n), dtype=logits.dtype)
     for t in range(c):
         held += 1
         for b in range(bsz):
-            last = query_pos[b, t]
+            real, last = query_pos[b, t] >= 0, lasts[b, t]
             for h in range(heads):
-                _reveal(pos, gone, b, h, t, last)
-                _group_probs(logits, pos, b, h, t, probs, total[h])
+                _reveal(pos, gone, b, h, t, query_pos[b, t], real)
+                pads[b, h, first + t] = not real
+                if real:
+                    _group_probs(logits, pos, b, h, t, probs, total[h])
+                else:
+                    total[h] = 0
             if across_heads:
                 for h in range(1, heads):
                     total[0] += total[h]
@@ -98,12 +110,19 @@ def _score_rule(
             for h in range(heads):
                 for j in range(n):
                     score[b, h, j] = score[b, h, j] + total[h, j] if accumulate else total[h, j]
-                if held > limit:
+                if held > limit:  # (padding first, then the lowest score outside the recent window)
                     victim, lowest = 0, np.inf
                     for j in range(n):
-                        if pos[b, h, j] >= 0 and pos[b, h, j] <= last - recent and score[b, h, j] < lowest:
-                            victim, lowest = j, score[b, h, j]
+                        if pads[b, h, j]:
+                            priority = -np.inf
+                        elif pos[b, h, j] < 0 or pos[b, h, j] > last - recent:
+                            continue
+                        else:
+                            priority = score[b, h, j]
+                        if priority < lowest:
+                            victim, lowest = j, priority
                     pos[b, h, victim] = -1
+                    pads[b, h, victim] = False
         held = min(held, limit)
     return held
 
@@ -134,7 +153,7 @@ def _low_marks(
             last = query_pos[b, t]
             column = last % window
             for h in range(heads):
-                _reveal(pos, gone, b, h, t, last)
+                _reveal(pos, gone, b, h, t, last, True)
                 attended = _group_probs(logits, pos, b, h, t, probs, total)
                 bar = np.float32(group) / np.float32(last + 1 if by_step else attended)
                 for j in range(n):
@@ -163,23 +182,38 @@ def compiled_decide(
     logits: torch.Tensor | None,
     pos: torch.Tensor,
     query_pos: torch.Tensor,
+    lasts: torch.Tensor,
+    pads: torch.Tensor | None,
     state: dict[str, torch.Tensor],
     held: int,
     limit: int,
 ) -> tuple[torch.Tensor, int] | None:
-    """A run's decisions by the compiled loop (see the module docstring): what each query could not see
-    ``[B, H, c, N]`` and the slots held after the run; ``pos`` and the policy's state change in place. None when the
-    loop does not apply (no rule, no numba, not on CPU, more than one token over the limit) and the torch scan
-    decides."""
+    """A run's decisions by the compiled loop (see the module docstring; the arguments are
+    :func:`~kvsieve.engine.scan._decide`'s): what each query could not see ``[B, H, c, N]`` and the slots held after
+    the run; ``pos``, ``pads`` and the policy's state change in place. None when the loop does not apply (no rule,
+    no numba, not on CPU, more than one token over the limit, padding under a rule that does not count it) and the
+    torch scan decides."""
     if not ENABLED or rule is None or logits is None or logits.device.type != "cpu" or held > limit:
         return None
     bsz, heads, _, c, n = logits.shape
     gone = torch.empty((bsz, heads, c, n), dtype=torch.bool)
     run = logits.detach().numpy(), pos.numpy(), query_pos.numpy()
     if isinstance(rule, ScoreRule):
+        padding = (torch.zeros_like(pos, dtype=torch.bool) if pads is None else pads).numpy()
         held = _score_rule(
-            *run, state["score"].numpy(), gone.numpy(), held, limit, rule.accumulate, rule.recent, rule.across_heads
+            *run,
+            lasts.numpy(),
+            padding,
+            state["score"].numpy(),
+            gone.numpy(),
+            held,
+            limit,
+            rule.accumulate,
+            rule.recent,
+            rule.across_heads,
         )
-    else:
+    elif pads is None:
         held = _low_marks(*run, state["low"].numpy(), gone.numpy(), held, limit, rule.recent, rule.drop, rule.by_step)
+    else:
+        return None
     return gone, held
