@@ -8,7 +8,7 @@ import torch
 import kvsieve
 from kvsieve.engine import compiled
 from kvsieve.policies import REGISTRY
-from kvsieve.policies.base import LowMarks, ScoreRule
+from kvsieve.policies.base import FixedPriority, LowMarks, ScoreRule
 from kvsieve.policies.h2o import H2O
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
@@ -31,6 +31,8 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
     monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(bool(args[4].any())) or loop(*args))
     marks = compiled._low_marks
     monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(False) or marks(*args))
+    fixed = compiled._fixed_priority
+    monkeypatch.setattr(compiled, "_fixed_priority", lambda *args: runs.append(False) or fixed(*args))
     fast = _streamed(model, ids, policy, budget, mask, **kwargs)
     monkeypatch.setattr(compiled, "ENABLED", False)
     slow = _streamed(model, ids, policy, budget, mask, **kwargs)
@@ -54,6 +56,9 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
         ("scissorhands", "llama_gqa", torch.float32, 12, {}),
         ("scissorhands", "llama_gqa", torch.float32, 16, {"window": 7, "drop": 1, "recent": 0}),
         ("scissorhands", "llama_mha", torch.float64, 10, {"threshold": "paper", "drop": 3}),
+        ("knorm", "llama_gqa", torch.float32, 12, {}),
+        ("knorm", "llama_gqa", torch.float32, 9, {"recent": 0}),
+        ("knorm", "llama_mha", torch.float64, 14, {"drop": 4, "recent": 3}),
     ],
 )
 def test_the_compiled_loop_streams_as_the_torch_scan(
@@ -97,6 +102,7 @@ def test_only_policies_with_such_a_rule_state_it() -> None:
     assert rules.pop("tova") == ScoreRule(accumulate=False, across_heads=True)
     assert rules.pop("h2o+local") == ScoreRule(accumulate=True, recent=8)
     assert rules.pop("scissorhands") == LowMarks(window=100, recent=9, drop=8, by_step=False)
+    assert rules.pop("knorm") == FixedPriority(recent=8, drop=1)
     assert set(rules.values()) == {None}
     assert H2O(16, H2O.make_params(normalize=True)).scan_rule() is None
     assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, recent=3)

@@ -10,7 +10,8 @@ head's probabilities ``exp(l - max) / sum`` over the held slots, the group's hea
 policy's state updated; victims are chosen with ``torch.argmin``'s tie rule (the first lowest) or, for several at
 once, as the set ``torch.topk`` returns. Padding is handled as the torch scan handles it (padding slots go first, a
 padding query observes nothing and sees every slot) under a :class:`~kvsieve.policies.base.ScoreRule`; a
-:class:`~kvsieve.policies.base.LowMarks` policy counts each row's tokens, so padded runs are never scanned for it.
+:class:`~kvsieve.policies.base.LowMarks` or :class:`~kvsieve.policies.base.FixedPriority` policy counts each row's
+tokens, so padded runs are never scanned for it.
 The exponentials are not torch's vectorized ones, so scores may differ from the torch scan's in the last bits
 (tested: the same kept tokens and bitwise the same logits).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsieve.policies.base import ScanRule, ScoreRule
+from kvsieve.policies.base import FixedPriority, ScanRule, ScoreRule
 
 try:
     import numba
@@ -171,9 +172,44 @@ def _low_marks(
     return held
 
 
+def _fixed_priority(
+    pos: np.ndarray,
+    query_pos: np.ndarray,
+    priority: np.ndarray,
+    gone: np.ndarray,
+    held: int,
+    limit: int,
+    recent: int,
+    drop: int,
+) -> int:
+    """The run's decisions under :class:`~kvsieve.policies.base.FixedPriority` (as :func:`_score_rule`, without
+    logits; ``priority`` ``[B, H, N]`` int64)."""
+    bsz, heads, c, n = gone.shape
+    protected = np.iinfo(np.int64).max
+    order = np.empty(n, dtype=np.int64)
+    for t in range(c):
+        held += 1
+        target = held if held <= limit else (limit if held - limit > 1 else held - drop)
+        for b in range(bsz):
+            last = query_pos[b, t]
+            for h in range(heads):
+                _reveal(pos, gone, b, h, t, last, True)
+                if target == held:
+                    continue
+                for j in range(n):
+                    keep = pos[b, h, j] < 0 or (recent > 0 and pos[b, h, j] > last - recent)
+                    order[j] = protected if keep else priority[b, h, j]
+                for _ in range(held - target):
+                    victim = np.argmin(order)
+                    pos[b, h, victim] = -1
+                    order[victim] = protected
+        held = target
+    return held
+
+
 if numba is not None:
-    _group_probs, _reveal, _score_rule, _low_marks = (
-        numba.njit(cache=True, nogil=True)(f) for f in (_group_probs, _reveal, _score_rule, _low_marks)
+    _group_probs, _reveal, _score_rule, _low_marks, _fixed_priority = (
+        numba.njit(cache=True, nogil=True)(f) for f in (_group_probs, _reveal, _score_rule, _low_marks, _fixed_priority)
     )
 
 
@@ -193,10 +229,19 @@ def compiled_decide(
     the run; ``pos``, ``pads`` and the policy's state change in place. None when the loop does not apply (no rule,
     no numba, not on CPU, more than one token over the limit, padding under a rule that does not count it) and the
     torch scan decides."""
-    if not ENABLED or rule is None or logits is None or logits.device.type != "cpu" or held > limit:
+    if not ENABLED or rule is None or pos.device.type != "cpu" or held > limit:
         return None
-    bsz, heads, _, c, n = logits.shape
-    gone = torch.empty((bsz, heads, c, n), dtype=torch.bool)
+    bsz, heads, n = pos.shape
+    gone = torch.empty((bsz, heads, query_pos.shape[1], n), dtype=torch.bool)
+    if isinstance(rule, FixedPriority):
+        if pads is not None:
+            return None
+        held = _fixed_priority(
+            pos.numpy(), query_pos.numpy(), state["priority"].numpy(), gone.numpy(), held, limit, rule.recent, rule.drop
+        )
+        return gone, held
+    if logits is None:
+        return None
     run = logits.detach().numpy(), pos.numpy(), query_pos.numpy()
     if isinstance(rule, ScoreRule):
         padding = (torch.zeros_like(pos, dtype=torch.bool) if pads is None else pads).numpy()

@@ -174,7 +174,17 @@ class LowMarks:
     by_step: bool
 
 
-ScanRule = ScoreRule | LowMarks
+@dataclass(frozen=True)
+class FixedPriority:
+    """A rule without observation: a priority set once per token (the ``priority`` state, int64, higher kept), the
+    ``recent`` newest positions protected; when a step leaves more than ``limit`` slots it keeps ``limit`` (a prompt)
+    or drops ``drop`` (one over: a decode step), the lowest priorities first."""
+
+    recent: int
+    drop: int
+
+
+ScanRule = ScoreRule | LowMarks | FixedPriority
 """The rules the stream protocol's compiled scan runs (:meth:`Policy.scan_rule`)."""
 
 

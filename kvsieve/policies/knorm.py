@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Policy, Slots, drop_in_bulk, protect, recent_mask, register
+from kvsieve.policies.base import FixedPriority, Policy, Slots, drop_in_bulk, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class KNorm(Policy):
     19.69); prefill protocol (1,365 tokens compressed once, 682 scored; full 22.29): ``recent=0`` 22.96, 8 → 22.38,
     32 → 22.27, 204 → 22.71. Default ``recent = min(32, budget // 2)``: the best of both protocols together;
     ``recent=0`` is the paper's bare rule (kvpress's ``KnormPress``).
+
+    The rule is :class:`~kvsieve.policies.base.FixedPriority` (``scan_rule``): the stream protocol's scan decides on
+    CPU in one compiled loop, with the same decisions.
     """
 
     name = "knorm"
@@ -76,3 +79,6 @@ class KNorm(Policy):
         if self.recent:
             priority = protect(priority, recent_mask(slots.pos, slots.last, self.recent))
         return priority
+
+    def scan_rule(self) -> FixedPriority:
+        return FixedPriority(self.recent, self.params.drop)
