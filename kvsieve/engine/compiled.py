@@ -68,6 +68,20 @@ def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position:
         gone[b, h, t, j] = real and pos[b, h, j] < 0
 
 
+def _bulk_target(held: int, limit: int, drop: int) -> int:
+    """:func:`~kvsieve.policies.base.drop_in_bulk`: the slots kept after a step that left ``held``."""
+    return held if held <= limit else (limit if held - limit > 1 else held - drop)
+
+
+def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int, kept: float | int) -> None:
+    """Evict the ``count`` slots of row ``b``, head ``h`` with the lowest ``order`` (``torch.topk``'s set; the first
+    lowest for one), marking them evicted in ``pos``; ``kept``: the order of a protected slot."""
+    for _ in range(count):
+        victim = np.argmin(order)
+        pos[b, h, victim] = -1
+        order[victim] = kept
+
+
 def _score_rule(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -149,7 +163,7 @@ def _low_marks(
     order = np.empty(n, dtype=np.float64)
     for t in range(c):
         held += 1
-        target = held if held <= limit else (limit if held - limit > 1 else held - drop)
+        target = _bulk_target(held, limit, drop)
         for b in range(bsz):
             last = query_pos[b, t]
             column = last % window
@@ -164,10 +178,7 @@ def _low_marks(
                 for j in range(n):  # fewest marks first, then newest: pos - marks * (last + 1)
                     protected = pos[b, h, j] < 0 or pos[b, h, j] > last - recent
                     order[j] = np.inf if protected else pos[b, h, j] - low[b, h, j].sum() * (last + 1.0)
-                for _ in range(held - target):
-                    victim = np.argmin(order)
-                    pos[b, h, victim] = -1
-                    order[victim] = np.inf
+                _evict_lowest(pos, order, b, h, held - target, np.inf)
         held = target
     return held
 
@@ -187,29 +198,27 @@ def _fixed_priority(
     bsz, heads, c, n = gone.shape
     protected = np.iinfo(np.int64).max
     order = np.empty(n, dtype=np.int64)
-    for t in range(c):
-        held += 1
-        target = held if held <= limit else (limit if held - limit > 1 else held - drop)
-        for b in range(bsz):
-            last = query_pos[b, t]
-            for h in range(heads):
+    start = held
+    for b in range(bsz):  # (nothing is observed: each row and head goes through the run on its own)
+        for h in range(heads):
+            held = start
+            for t in range(c):
+                last = query_pos[b, t]
                 _reveal(pos, gone, b, h, t, last, True)
-                if target == held:
-                    continue
-                for j in range(n):
-                    keep = pos[b, h, j] < 0 or (recent > 0 and pos[b, h, j] > last - recent)
-                    order[j] = protected if keep else priority[b, h, j]
-                for _ in range(held - target):
-                    victim = np.argmin(order)
-                    pos[b, h, victim] = -1
-                    order[victim] = protected
-        held = target
+                target = _bulk_target(held + 1, limit, drop)
+                if target <= held:
+                    for j in range(n):
+                        keep = pos[b, h, j] < 0 or (recent > 0 and pos[b, h, j] > last - recent)
+                        order[j] = protected if keep else priority[b, h, j]
+                    _evict_lowest(pos, order, b, h, held + 1 - target, protected)
+                held = target
     return held
 
 
 if numba is not None:
-    _group_probs, _reveal, _score_rule, _low_marks, _fixed_priority = (
-        numba.njit(cache=True, nogil=True)(f) for f in (_group_probs, _reveal, _score_rule, _low_marks, _fixed_priority)
+    _group_probs, _reveal, _bulk_target, _evict_lowest, _score_rule, _low_marks, _fixed_priority = (
+        numba.njit(cache=True, nogil=True)(f)
+        for f in (_group_probs, _reveal, _bulk_target, _evict_lowest, _score_rule, _low_marks, _fixed_priority)
     )
 
 
