@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsieve.policies.base import FixedPriority, ScanRule, ScoreRule
+from kvsieve.policies.base import FixedPriority, ScanRule, ScoreRule, drop_in_bulk
 
 try:
     import numba
@@ -68,9 +68,7 @@ def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position:
         gone[b, h, t, j] = real and pos[b, h, j] < 0
 
 
-def _bulk_target(held: int, limit: int, drop: int) -> int:
-    """:func:`~kvsieve.policies.base.drop_in_bulk`: the slots kept after a step that left ``held``."""
-    return held if held <= limit else (limit if held - limit > 1 else held - drop)
+_bulk_target = drop_in_bulk  # (compiled below with the loops that call it)
 
 
 def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int, kept: float | int) -> None:
@@ -106,6 +104,7 @@ def _score_rule(
     first = n - c
     probs = np.empty(n, dtype=logits.dtype)
     total = np.zeros((heads, n), dtype=logits.dtype)
+    order = np.empty(n, dtype=np.float64)
     for t in range(c):
         held += 1
         for b in range(bsz):
@@ -126,16 +125,10 @@ def _score_rule(
                 for j in range(n):
                     score[b, h, j] = score[b, h, j] + total[h, j] if accumulate else total[h, j]
                 if held > limit:  # (padding first, then the lowest score outside the recent window)
-                    victim, lowest = 0, np.inf
                     for j in range(n):
-                        if pads[b, h, j]:
-                            priority = -np.inf
-                        elif pos[b, h, j] < 0 or pos[b, h, j] > last - recent:
-                            continue
-                        else:
-                            priority = score[b, h, j]
-                        if priority < lowest:
-                            victim, lowest = j, priority
+                        protected = pos[b, h, j] < 0 or pos[b, h, j] > last - recent
+                        order[j] = -np.inf if pads[b, h, j] else (np.inf if protected else score[b, h, j])
+                    victim = np.argmin(order)
                     pos[b, h, victim] = -1
                     pads[b, h, victim] = False
         held = min(held, limit)

@@ -95,7 +95,7 @@ class HeavyHitters(Policy):
     def scan_rule(self) -> ScoreRule | None:
         # The local pattern keeps the newest tokens, which are all held (kept since they came): the ``share``
         # newest positions, as h2o's recent window.
-        return ScoreRule(accumulate=True, recent=self.share) if self.base.name == "local" else None
+        return ScoreRule(accumulate=True, recent=self.share) if self.base is Local else None
 
 
 def with_heavy_hitters(base: type[PositionalPolicy]) -> type[HeavyHitters]:
