@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import kvsieve
 from kvsieve.engine import compiled
 from kvsieve.policies import REGISTRY
-from kvsieve.policies.base import FixedPriority, LowMarks, ScoreRule
+from kvsieve.policies.ahakv import AhaKV
+from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScoreRule
 from kvsieve.policies.h2o import H2O
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
@@ -24,11 +27,17 @@ def _streamed(model, ids, policy, budget, mask=None, **kwargs):
 
 
 def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
-    """The stream with the compiled loop (and, for each run it decided, whether padding was held) and with the
-    torch scan."""
+    """The stream with the compiled loop (and, for each run it decided, whether padding was held or came in it)
+    and with the torch scan."""
     runs = []
     loop = compiled._score_rule
-    monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(bool(args[4].any())) or loop(*args))
+
+    def padded(pos, query_pos, pads, *args):  # (the loop's arguments: logits, pos, query_pos, lasts, pads, ...)
+        return bool(pads.any() or (query_pos < 0).any())
+
+    monkeypatch.setattr(
+        compiled, "_score_rule", lambda *args: runs.append(padded(args[1], args[2], args[4])) or loop(*args)
+    )
     marks = compiled._low_marks
     monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(False) or marks(*args))
     fixed = compiled._fixed_priority
@@ -59,6 +68,17 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
         ("knorm", "llama_gqa", torch.float32, 12, {}),
         ("knorm", "llama_gqa", torch.float32, 9, {"recent": 0}),
         ("knorm", "llama_mha", torch.float64, 14, {"drop": 4, "recent": 3}),
+        ("h2o+strided", "llama_gqa", torch.float32, 12, {}),
+        ("h2o+strided", "llama_mha", torch.float64, 16, {"stride": 3, "recent": 2, "heavy_ratio": 0.25}),
+        ("h2o+fixed", "llama_gqa", torch.float32, 12, {}),
+        ("h2o+fixed", "llama_mha", torch.float32, 20, {"block": 5, "summary": 2, "heavy_ratio": 0.3}),
+        ("snapkv", "llama_gqa", torch.float32, 12, {}),
+        ("snapkv", "llama_mha", torch.float64, 16, {"window": 3, "kernel": 5}),
+        ("snapkv", "llama_gqa", torch.float32, 10, {"kernel": 1}),
+        ("ahakv", "llama_gqa", torch.float32, 12, {}),
+        ("ahakv", "llama_mha", torch.float64, 10, {"recent": 2}),
+        ("ahakv", "llama_gqa", torch.float32, 14, {"sgs": False, "ra": False, "recent": 0}),
+        ("ahakv", "llama_gqa", torch.float32, 9, {"sgs_decode": False}),
     ],
 )
 def test_the_compiled_loop_streams_as_the_torch_scan(
@@ -75,7 +95,19 @@ def test_the_compiled_loop_streams_as_the_torch_scan(
         assert len(runs) >= model.config.num_hidden_layers * 2
 
 
-@pytest.mark.parametrize(("policy", "params"), [("h2o", {}), ("tova", {}), ("h2o+local", {}), ("h2o", {"recent": 0})])
+@pytest.mark.parametrize(
+    ("policy", "params"),
+    [
+        ("h2o", {}),
+        ("tova", {}),
+        ("h2o+local", {}),
+        ("h2o", {"recent": 0}),
+        ("h2o+fixed", {}),
+        ("h2o+strided", {}),
+        ("snapkv", {}),
+        ("ahakv", {}),
+    ],
+)
 def test_left_padded_batches_stream_the_same_with_the_compiled_loop(llama_gqa, make_ids, monkeypatch, policy, params):
     """Padding slots go first, padding queries observe nothing and see every slot: as in the torch scan."""
     mask = torch.ones(2, 140, dtype=torch.long)
@@ -83,26 +115,65 @@ def test_left_padded_batches_stream_the_same_with_the_compiled_loop(llama_gqa, m
     (fast_logits, fast_kept), (slow_logits, slow_kept), runs = _both(
         llama_gqa, make_ids(2, 140), policy, 9, monkeypatch, mask=mask, **params
     )
-    assert len(runs) >= 3 * 2 and any(runs)  # (padding held in some)
+    assert len(runs) >= 3 * 2 and any(runs)  # (padding in some)
     assert all(map(torch.equal, fast_kept, slow_kept))
     assert torch.equal(fast_logits, slow_logits)
 
 
-def test_the_torch_scan_decides_where_no_rule_applies(llama_gqa, make_ids, monkeypatch) -> None:
-    """An h2o variant whose rule is not an accumulated sum: the loop never runs, and the results are the torch
-    scan's."""
-    fast, slow, runs = _both(llama_gqa, make_ids(2, 120), "h2o", 9, monkeypatch, transform="sqrt")
+@pytest.mark.parametrize(
+    ("policy", "params"),
+    [("h2o", {"transform": "sqrt"}), ("ahakv", {"sgs_tokens": "kept"}), ("snapkv", {"window": 0})],
+)
+def test_the_torch_scan_decides_where_no_rule_applies(llama_gqa, make_ids, monkeypatch, policy, params) -> None:
+    """Variants whose rule the loop does not run: it is never called, and the results are the torch scan's."""
+    fast, slow, runs = _both(llama_gqa, make_ids(2, 120), policy, 9, monkeypatch, **params)
     assert not runs
     assert torch.equal(fast[0], slow[0])
 
 
 def test_only_policies_with_such_a_rule_state_it() -> None:
     rules = {name: cls(16).scan_rule() for name, cls in REGISTRY.items() if cls.bounded}
-    assert rules.pop("h2o") == ScoreRule(accumulate=True, recent=8)
+    assert rules.pop("h2o") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=8))
     assert rules.pop("tova") == ScoreRule(accumulate=False, across_heads=True)
-    assert rules.pop("h2o+local") == ScoreRule(accumulate=True, recent=8)
+    assert rules.pop("h2o+local") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=8))
+    assert rules.pop("h2o+strided") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=4, period=4, span=1))
+    assert rules.pop("h2o+fixed") == ScoreRule(
+        accumulate=True, kept=Pattern(keep=8, block=4, period=4, offset=1, span=1)
+    )
+    assert rules.pop("snapkv") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=8), pool=7)
+    aha = rules.pop("ahakv")
+    assert (aha.accumulate, aha.kept, aha.pool) == (True, Pattern(keep=8, recent=8), 0)
+    gain = aha.logit_scale(torch.tensor([[14, 15, 63]]))  # (15, 16 and 64 tokens seen)
+    assert gain.tolist() == [pytest.approx([0.0, 0.0, (2 * math.log(4)) ** 0.5])]
     assert rules.pop("scissorhands") == LowMarks(window=100, recent=9, drop=8, by_step=False)
     assert rules.pop("knorm") == FixedPriority(recent=8, drop=1)
     assert set(rules.values()) == {None}
     assert H2O(16, H2O.make_params(normalize=True)).scan_rule() is None
-    assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, recent=3)
+    assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, kept=Pattern(keep=3, recent=3))
+    assert AhaKV(16, AhaKV.make_params(sgs=False)).scan_rule().logit_scale is None
+
+
+def _pattern_kept(pattern: Pattern, positions: list[int], last: int) -> set[int]:
+    pos = torch.tensor(positions).view(1, 1, -1)
+    kept = torch.empty(len(positions), dtype=torch.bool)
+    fields = (pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span)
+    compiled._pattern_kept(pos.numpy(), 0, 0, last, fields, kept.numpy(), torch.empty(len(positions)).long().numpy())
+    return {p for p, k in zip(positions, kept.tolist(), strict=True) if k}
+
+
+@pytest.mark.parametrize("name", ["local", "strided", "fixed"])
+@pytest.mark.parametrize("budget", [4, 7, 12])
+def test_a_patterns_kept_set_is_its_policys_top_budget(name, budget) -> None:
+    """The loop's reading of a :class:`Pattern` keeps what the positional policy's priorities keep: their top
+    ``budget`` of the real tokens held (empty slots and gaps of evicted positions included)."""
+    policy = REGISTRY[name](budget)
+    gen = torch.Generator().manual_seed(budget)
+    for last in (2, budget, 3 * budget + 1, 50):
+        held = torch.randperm(last + 1, generator=gen)[: min(last + 1, 2 * budget)].tolist()
+        held = [*sorted(set(held) | {last}), -1, -1]
+        pos = torch.tensor(held).view(1, 1, -1)
+        priority = policy.priority(pos, torch.tensor([last]))
+        priority = priority.masked_fill(pos < 0, torch.iinfo(torch.long).min)
+        top = priority.topk(min(budget, len(held)), dim=-1).indices.flatten().tolist()
+        expected = {held[i] for i in top if held[i] >= 0}
+        assert _pattern_kept(policy.scan_pattern(), held, last) == expected

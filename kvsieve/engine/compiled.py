@@ -18,6 +18,8 @@ The exponentials are not torch's vectorized ones, so scores may differ from the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -33,10 +35,17 @@ ENABLED = numba is not None
 
 
 def _group_probs(
-    logits: np.ndarray, pos: np.ndarray, b: int, h: int, t: int, probs: np.ndarray, total: np.ndarray
+    logits: np.ndarray,
+    pos: np.ndarray,
+    b: int,
+    h: int,
+    t: int,
+    probs: np.ndarray,
+    total: np.ndarray,
+    scale: float = 1.0,
 ) -> int:
-    """``total`` (zeroed first) = the softmax over the held slots of query ``t``'s logits, summed over the group's
-    heads in order; returns the number of slots held. (The query's own token is held.)"""
+    """``total`` (zeroed first) = the softmax over the held slots of query ``t``'s logits (times ``scale``), summed
+    over the group's heads in order; returns the number of slots held. (The query's own token is held.)"""
     group, n = logits.shape[2], logits.shape[4]
     own = n - logits.shape[3] + t
     total[:] = 0
@@ -45,13 +54,15 @@ def _group_probs(
     for j in range(n):
         held += pos[b, h, j] >= 0
     for g in range(group):
-        high = logits[b, h, g, t, own]
         for j in range(n):
-            if pos[b, h, j] >= 0 and logits[b, h, g, t, j] > high:
-                high = logits[b, h, g, t, j]
+            probs[j] = logits[b, h, g, t, j] * scale
+        high = probs[own]
+        for j in range(n):
+            if pos[b, h, j] >= 0 and probs[j] > high:
+                high = probs[j]
         mass = zero
         for j in range(n):
-            e = np.exp(logits[b, h, g, t, j] - high) if pos[b, h, j] >= 0 else zero
+            e = np.exp(probs[j] - high) if pos[b, h, j] >= 0 else zero
             probs[j] = e
             mass += e
         for j in range(n):
@@ -80,6 +91,57 @@ def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int
         order[victim] = kept
 
 
+def _pattern_kept(
+    pos: np.ndarray, b: int, h: int, last: int, pattern: tuple, kept: np.ndarray, rank: np.ndarray
+) -> None:
+    """``kept`` = the slots of row ``b``, head ``h`` that a :class:`~kvsieve.policies.base.Pattern` (``pattern``:
+    its fields in order) keeps when the newest position is ``last`` (``rank``: scratch)."""
+    keep, recent, block, period, offset, span = pattern
+    n = pos.shape[2]
+    start = last // block * block if block > 0 else last + 1
+    lowest = np.iinfo(np.int64).min
+    free = keep
+    for j in range(n):
+        p = pos[b, h, j]
+        kept[j] = p >= 0 and (p > last - recent or p >= start)
+        free -= kept[j]
+    if free > 0:  # (the free places: the highest ranks, the candidates newest first, then the others)
+        for j in range(n):
+            p = pos[b, h, j]
+            if p < 0 or kept[j]:
+                rank[j] = lowest
+            else:  # (positions: distinct)
+                rank[j] = p if (p + offset) % period < span else p - (last + 1)
+        bar = np.sort(rank)[max(0, n - free)]
+        for j in range(n):
+            kept[j] = kept[j] or (rank[j] > lowest and rank[j] >= bar)
+
+
+def _pooled_victim(
+    score: np.ndarray, pos: np.ndarray, b: int, h: int, kept: np.ndarray, pool: int, order: np.ndarray
+) -> int:
+    """The slot of row ``b``, head ``h`` with the lowest maximum score over the ``pool`` held slots around it in
+    position order (``kept`` slots count as ``-inf`` and are never the victim), the oldest of equal ones (``order``:
+    scratch)."""
+    n = pos.shape[2]
+    ranked = np.argsort(pos[b, h])  # (empty slots first: -inf)
+    for r in range(n):
+        j = ranked[r]
+        order[r] = -np.inf if pos[b, h, j] < 0 or kept[j] else score[b, h, j]
+    victim, low = -1, np.inf
+    half = pool // 2
+    for r in range(n):
+        j = ranked[r]
+        if pos[b, h, j] < 0 or kept[j]:
+            continue
+        high = -np.inf
+        for i in range(max(0, r - half), min(n, r + half + 1)):
+            high = max(high, order[i])
+        if high < low:  # (in position order: the oldest of equal maxima)
+            victim, low = j, high
+    return victim
+
+
 def _score_rule(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -88,23 +150,28 @@ def _score_rule(
     pads: np.ndarray,
     score: np.ndarray,
     gone: np.ndarray,
+    scales: np.ndarray,
     held: int,
     limit: int,
     accumulate: bool,
-    recent: int,
+    pattern: tuple,
     across_heads: bool,
+    pool: int,
 ) -> int:
-    """The run's decisions under a :class:`~kvsieve.policies.base.ScoreRule` (``accumulate``, ``recent``,
-    ``across_heads``): ``logits`` ``[B, H, G, c, N]``, ``pos`` ``[B, H, N]`` (the run's ``c`` slots last, hidden as
-    -1; evicted slots become -1), ``query_pos`` ``[B, c]`` (-1: padding), ``lasts`` ``[B, c]`` each row's newest
-    position at each token, ``pads`` ``[B, H, N]`` the slots holding padding (updated: they go first), ``score``
-    ``[B, H, N]`` (updated; a padding query observes zeros), ``gone`` ``[B, H, c, N]`` (filled: the slots each query
-    could not see), ``held`` slots held before the run. Returns the slots held after it."""
+    """The run's decisions under a :class:`~kvsieve.policies.base.ScoreRule` (``accumulate``, ``pattern``: its
+    ``kept`` pattern's fields, ``across_heads``, ``pool``): ``logits`` ``[B, H, G, c, N]``, ``pos`` ``[B, H, N]``
+    (the run's ``c`` slots last, hidden as -1; evicted slots become -1), ``query_pos`` ``[B, c]`` (-1: padding),
+    ``lasts`` ``[B, c]`` each row's newest position at each token, ``pads`` ``[B, H, N]`` the slots holding padding
+    (updated: they go first), ``score`` ``[B, H, N]`` (updated; a padding query observes zeros), ``gone``
+    ``[B, H, c, N]`` (filled: the slots each query could not see), ``scales`` ``[B, c]`` each query's logit
+    multiplier, ``held`` slots held before the run. Returns the slots held after it."""
     bsz, heads, _, c, n = logits.shape
     first = n - c
     probs = np.empty(n, dtype=logits.dtype)
     total = np.zeros((heads, n), dtype=logits.dtype)
     order = np.empty(n, dtype=np.float64)
+    kept = np.empty(n, dtype=np.bool_)
+    rank = np.empty(n, dtype=np.int64)
     for t in range(c):
         held += 1
         for b in range(bsz):
@@ -113,7 +180,7 @@ def _score_rule(
                 _reveal(pos, gone, b, h, t, query_pos[b, t], real)
                 pads[b, h, first + t] = not real
                 if real:
-                    _group_probs(logits, pos, b, h, t, probs, total[h])
+                    _group_probs(logits, pos, b, h, t, probs, total[h], scales[b, t])
                 else:
                     total[h] = 0
             if across_heads:
@@ -124,13 +191,22 @@ def _score_rule(
             for h in range(heads):
                 for j in range(n):
                     score[b, h, j] = score[b, h, j] + total[h, j] if accumulate else total[h, j]
-                if held > limit:  # (padding first, then the lowest score outside the recent window)
+                if held <= limit:
+                    continue
+                _pattern_kept(pos, b, h, last, pattern, kept, rank)
+                victim = -1
+                for j in range(n):  # (padding first: the first slot holding it)
+                    if pads[b, h, j]:
+                        victim = j
+                        break
+                if victim < 0 and pool > 0:
+                    victim = _pooled_victim(score, pos, b, h, kept, pool, order)
+                elif victim < 0:  # (the lowest score outside the pattern, the first of equal ones)
                     for j in range(n):
-                        protected = pos[b, h, j] < 0 or pos[b, h, j] > last - recent
-                        order[j] = -np.inf if pads[b, h, j] else (np.inf if protected else score[b, h, j])
+                        order[j] = np.inf if pos[b, h, j] < 0 or kept[j] else score[b, h, j]
                     victim = np.argmin(order)
-                    pos[b, h, victim] = -1
-                    pads[b, h, victim] = False
+                pos[b, h, victim] = -1
+                pads[b, h, victim] = False
         held = min(held, limit)
     return held
 
@@ -209,9 +285,29 @@ def _fixed_priority(
 
 
 if numba is not None:
-    _group_probs, _reveal, _bulk_target, _evict_lowest, _score_rule, _low_marks, _fixed_priority = (
+    (
+        _group_probs,
+        _reveal,
+        _bulk_target,
+        _evict_lowest,
+        _pattern_kept,
+        _pooled_victim,
+        _score_rule,
+        _low_marks,
+        _fixed_priority,
+    ) = (
         numba.njit(cache=True, nogil=True)(f)
-        for f in (_group_probs, _reveal, _bulk_target, _evict_lowest, _score_rule, _low_marks, _fixed_priority)
+        for f in (
+            _group_probs,
+            _reveal,
+            _bulk_target,
+            _evict_lowest,
+            _pattern_kept,
+            _pooled_victim,
+            _score_rule,
+            _low_marks,
+            _fixed_priority,
+        )
     )
 
 
@@ -247,17 +343,20 @@ def compiled_decide(
     run = logits.detach().numpy(), pos.numpy(), query_pos.numpy()
     if isinstance(rule, ScoreRule):
         padding = (torch.zeros_like(pos, dtype=torch.bool) if pads is None else pads).numpy()
+        scales = torch.ones(query_pos.shape) if rule.logit_scale is None else rule.logit_scale(query_pos)
         held = _score_rule(
             *run,
             lasts.numpy(),
             padding,
             state["score"].numpy(),
             gone.numpy(),
+            scales.float().numpy(),
             held,
             limit,
             rule.accumulate,
-            rule.recent,
+            dataclasses.astuple(rule.kept),
             rule.across_heads,
+            rule.pool,
         )
     elif pads is None:
         held = _low_marks(*run, state["low"].numpy(), gone.numpy(), held, limit, rule.recent, rule.drop, rule.by_step)

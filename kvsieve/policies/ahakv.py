@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,7 +12,9 @@ import torch.nn.functional as F
 from kvsieve.policies.base import (
     SCORE_STATE,
     Observation,
+    Pattern,
     Policy,
+    ScoreRule,
     Slots,
     accumulate,
     in_position_order,
@@ -41,12 +44,23 @@ class AhaKVParams:
     """Odd window of the value prior's average pooling (our choice; the paper does not state it)."""
 
 
+def step_gain(count: torch.Tensor, budget: int) -> torch.Tensor:
+    """SGS's multiplier of the scaled logits of a row that has seen ``count`` tokens (fp32): ``sqrt(2 ln(i/k))``,
+    0 (uniform) while ``i <= k``."""
+    return (2 * torch.log(count / budget)).clamp(min=0).sqrt()
+
+
+def seen_gain(query_pos: torch.Tensor, budget: int) -> torch.Tensor:
+    """:func:`step_gain` of the rows at ``query_pos`` (the tokens they have ``seen``: their position + 1)."""
+    return step_gain((query_pos + 1).float(), budget)
+
+
 def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torch.Tensor:
     """``[B, H, b, N]`` SG-softmax of each row, the group's query heads summed (padding rows zero); ``i`` is the
     number of tokens the row has ``seen`` or the number ``kept`` in its softmax (see :class:`AhaKVParams`)."""
     # [B, 1, b] with its own token, or [B, H, b]
-    count = (obs.query_pos + 1).float()[:, None] if tokens == "seen" else obs.allowed.sum(dim=-1).float()
-    gain = (2 * torch.log(count / budget)).clamp(min=0).sqrt()  # 0 (uniform) while i <= budget
+    seen = tokens == "seen"
+    gain = seen_gain(obs.query_pos, budget)[:, None] if seen else step_gain(obs.allowed.sum(dim=-1).float(), budget)
     # The logits are -inf where masked, and -inf · 0 is NaN: masked again where the gain is 0 (uniform over the rest).
     logits = (obs.logits * gain[:, :, None, :, None]).nan_to_num_(nan=float("-inf"))
     return logits.softmax(dim=-1).sum(dim=2) * (obs.query_pos >= 0)[:, None, :, None]
@@ -116,7 +130,10 @@ class AhaKV(Policy):
 
     Ablations: ``ra=False`` accumulates every prompt row; ``sgs=False`` uses the plain probabilities;
     ``vpe=False`` sets ``γ̄ = 1``. Choices: a GQA group's query heads are scored separately (SG-softmax per head)
-    and summed, as H2O does; padding queries add nothing.
+    and summed, as H2O does; padding queries add nothing. In a stream every step is one query (no value prior; RA
+    counts it): the rule is then a :class:`~kvsieve.policies.base.ScoreRule` with SGS's multiplier of the logits
+    (``scan_rule``; not with ``sgs_tokens="kept"``), and the stream protocol's scan decides on CPU in one compiled
+    loop, with the same decisions.
     """
 
     name = "ahakv"
@@ -155,3 +172,12 @@ class AhaKV(Policy):
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return protect(slots.state["score"], recent_mask(slots.pos, slots.last, self.recent))
+
+    def scan_rule(self) -> ScoreRule | None:
+        # (a stream's steps are single queries: no value prior, and RA counts each, its position being the newest)
+        p = self.params
+        sgs = p.sgs and p.sgs_decode
+        if sgs and p.sgs_tokens == "kept":
+            return None
+        scale = functools.partial(seen_gain, budget=self.budget) if sgs else None
+        return ScoreRule(accumulate=True, kept=Pattern.newest(self.recent), logit_scale=scale)

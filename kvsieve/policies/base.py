@@ -149,15 +149,40 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class Pattern:
+    """Which held tokens a rule keeps whatever their scores, from positions alone (the newest position ``last``):
+    the real tokens at the ``recent`` newest positions and, with a ``block``, those of ``last``'s block
+    (``p >= last // block · block``) are kept; then, up to ``keep`` in all, the candidates
+    (``(p + offset) % period < span``) newest first, then the others newest first. As
+    :meth:`PositionalPolicy.priority` ranks them (``local``, ``strided``, ``fixed``; at most ``keep`` protected)."""
+
+    keep: int
+    recent: int = 0
+    block: int = 0
+    period: int = 1
+    offset: int = 0
+    span: int = 0
+
+    @classmethod
+    def newest(cls, n: int) -> Pattern:
+        """The ``n`` newest positions (a recent window: :func:`recent_mask`)."""
+        return cls(keep=n, recent=n)
+
+
+@dataclass(frozen=True)
 class ScoreRule:
-    """A rule a policy's ``observe`` and ``keep_scores`` may follow: each observed query's attention probabilities,
-    summed over its GQA group (and then over the layer's KV heads, ``across_heads``), are added to the ``score``
-    state (:data:`SCORE_STATE`; ``accumulate``) or replace it; ``keep_scores`` is that score with the slots at the
-    ``recent`` newest positions protected (:func:`recent_mask`): the victim is the lowest-scored slot outside them."""
+    """A rule a policy's ``observe`` and ``keep_scores`` may follow when each step is one query (a stream's token):
+    the query's attention probabilities (its logits first multiplied by ``logit_scale(query_pos)`` ``[B, c]``
+    where given), summed over its GQA group (and then over the layer's KV heads, ``across_heads``), are added to
+    the ``score`` state (:data:`SCORE_STATE`; ``accumulate``) or replace it; the victim is the lowest-scored slot
+    outside what ``kept`` keeps — with ``pool`` > 0, the lowest maximum of the scores over the ``pool`` held slots
+    around it in position order (the kept ones count as ``-inf``; SnapKV's pooling), the oldest of equal ones."""
 
     accumulate: bool
-    recent: int = 0
+    kept: Pattern = Pattern(keep=0)
     across_heads: bool = False
+    pool: int = 0
+    logit_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -332,6 +357,11 @@ class PositionalPolicy(Policy):
         """``[B, H, N]`` priorities of the slots at positions ``pos`` ``[B, H, N]`` (-1 = empty) when each row's
         newest position is ``last`` ``[B]``."""
         raise NotImplementedError
+
+    def scan_pattern(self) -> Pattern | None:
+        """:meth:`priority`'s top ``budget`` as a :class:`Pattern`, for the compiled scan of a rule that keeps this
+        pattern (the ``h2o+`` policies), or None (the default): no such pattern."""
+        return None
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return self.priority(slots.pos, slots.last)

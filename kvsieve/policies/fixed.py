@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import PositionalPolicy, register
+from kvsieve.policies.base import Pattern, PositionalPolicy, register
 from kvsieve.policies.strided import pattern_scores
 
 
@@ -54,3 +54,7 @@ class Fixed(PositionalPolicy):
         current = pos >= start[:, None, None]
         summary = pos % self.block >= self.block - self.summary
         return pattern_scores(pos, last, current, summary)
+
+    def scan_pattern(self) -> Pattern:
+        # (a summary position: p % block >= block - summary, i.e. (p + summary) % block < summary)
+        return Pattern(keep=self.budget, block=self.block, period=self.block, offset=self.summary, span=self.summary)

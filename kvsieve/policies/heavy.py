@@ -54,7 +54,9 @@ class HeavyHitters(Policy):
     in its part later (a ``fixed`` block boundary, a ``strided`` candidate) moves there. The pattern's ties follow
     ``torch.topk``, as do ties of scores. ``heavy_ratio = 0`` is the base policy at ``B`` (tested: same kept
     positions). The combined policy is not positional (every layer decides alone, by its own scores). Every batch
-    row keeps its own scores, like ``h2o``.
+    row keeps its own scores, like ``h2o``. The rule is a :class:`~kvsieve.policies.base.ScoreRule` whose kept set
+    is the base's :class:`~kvsieve.policies.base.Pattern` (``scan_rule``): the stream protocol's scan decides on CPU
+    in one compiled loop, with the same decisions.
     """
 
     base: ClassVar[type[PositionalPolicy]]
@@ -93,9 +95,8 @@ class HeavyHitters(Policy):
         return protect(slots.state["score"], self.pattern_kept(slots))
 
     def scan_rule(self) -> ScoreRule | None:
-        # The local pattern keeps the newest tokens, which are all held (kept since they came): the ``share``
-        # newest positions, as h2o's recent window.
-        return ScoreRule(accumulate=True, recent=self.share) if self.base is Local else None
+        pattern = self.pattern.scan_pattern()
+        return None if pattern is None else ScoreRule(accumulate=True, kept=pattern)
 
 
 def with_heavy_hitters(base: type[PositionalPolicy]) -> type[HeavyHitters]:

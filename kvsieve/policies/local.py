@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvsieve.policies.base import SinkWindow, register
+from kvsieve.policies.base import Pattern, SinkWindow, register
 
 
 @register
@@ -15,3 +15,6 @@ class Local(SinkWindow):
 
     name = "local"
     paper = "Beltagy et al., Longformer, 2020 (window attention baseline in H2O / StreamingLLM)"
+
+    def scan_pattern(self) -> Pattern:
+        return Pattern.newest(self.budget)

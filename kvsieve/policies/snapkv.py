@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from kvsieve.policies.base import (
     SCORE_STATE,
     Observation,
+    Pattern,
     Policy,
+    ScoreRule,
     Slots,
     in_position_order,
     protect,
@@ -58,7 +60,9 @@ class SnapKV(Policy):
     (a kvsieve choice): each decode query is in the observation window, so its attention is added to the scores;
     when a step leaves more than ``budget`` tokens, the ``window`` newest are kept and the others compete by pooled
     score (pooling over the held tokens in position order). Scores accumulate while a token is held. Ties of the
-    pooled scores (frequent: neighbours share a maximum) keep the newer token.
+    pooled scores (frequent: neighbours share a maximum) keep the newer token. With a window the rule is a
+    :class:`~kvsieve.policies.base.ScoreRule` with pooling (``scan_rule``): the stream protocol's scan decides on
+    CPU in one compiled loop, with the same decisions.
     """
 
     name = "snapkv"
@@ -87,3 +91,9 @@ class SnapKV(Policy):
         protected = recent_mask(slots.pos, slots.last, self.window)
         score = slots.state["score"].masked_fill(protected | (slots.pos < 0), float("-inf"))
         return protect(pooled_priority(score, slots.pos, self.params.kernel), protected)
+
+    def scan_rule(self) -> ScoreRule | None:
+        # (in a stream each query is the newest token, inside a window of at least one: every one is counted)
+        if self.window == 0:
+            return None
+        return ScoreRule(accumulate=True, kept=Pattern.newest(self.window), pool=self.params.kernel)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import PositionalPolicy, protect, recent_mask, register
+from kvsieve.policies.base import Pattern, PositionalPolicy, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,6 @@ class Strided(PositionalPolicy):
 
     def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return pattern_scores(pos, last, recent_mask(pos, last, self.recent), pos % self.stride == 0)
+
+    def scan_pattern(self) -> Pattern:
+        return Pattern(keep=self.budget, recent=self.recent, period=self.stride, span=1)
