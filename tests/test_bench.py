@@ -10,7 +10,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvsieve.benchmarks import bench, capacity, eviction_overhead, grid, memory, profile, report, runner
+from kvsieve.benchmarks import (
+    bench,
+    capacity,
+    eviction_overhead,
+    grid,
+    memory,
+    profile,
+    report,
+    runner,
+    stream_engine,
+)
 from kvsieve.benchmarks.floor import FloorCache
 from kvsieve.cli import main
 from kvsieve.policies import REGISTRY
@@ -333,3 +343,44 @@ def test_cli_bench_json(capsys):
         assert (c["prompt_tokens"], c["gen_tokens"], c["batch"]) == (32, 4, 1)
     assert len(result["checks"]) == 6
     assert "checks of the eviction-overhead preset:" in report.format_report(result)
+
+
+# -- the stream-engine preset --------------------------------------------------------------------------------------
+
+
+def test_stream_engine_pairs_each_policy_with_the_token_by_token_engine_and_full(tiny, make_ids, monkeypatch):
+    """Per round: the policy's whole stream, its token-by-token stream, ``full``'s whole stream; the figures are
+    medians of the per-round ratios; the check needs 15x from every policy."""
+    calls = []
+    rates = iter([100.0, 10.0, 200.0, 160.0, 10.0, 400.0, 120.0, 6.0, 150.0, 90.0, 6.0, 100.0])
+
+    def streamed(model, ids, policy, engine):
+        calls.append((policy, engine, ids.shape[-1]))
+        if (policy, engine) == ("full", "whole") or engine == "decode" or ids.shape[-1] == stream_engine.LENGTH:
+            return next(rates), 5.0
+        return 0.0, 5.0
+
+    monkeypatch.setattr(stream_engine, "_streamed", streamed)
+    ids = make_ids(1, stream_engine.LENGTH)[0]
+    result = stream_engine.stream_engine(tiny, ids, ["h2o", "local"], repeats=2, progress=False)
+    prefix = stream_engine.BUDGET + 1 + stream_engine.DECODE_TOKENS
+    full = stream_engine.LENGTH
+    h2o = [("h2o", "whole", full), ("h2o", "decode", prefix), ("h2o", "whole", prefix), ("full", "whole", full)]
+    local = [(p if p == "full" else "local", e, n) for p, e, n in h2o]
+    assert calls == h2o + local + local + h2o  # (the second round in reverse order)
+    rows = {row["policy"]: row for row in result["stream_engine"]}
+    assert rows["h2o"]["speedup"] == pytest.approx((10 + 15) / 2)  # 100 / 10 then 90 / 6
+    assert rows["h2o"]["of_full"] == pytest.approx((0.5 + 0.9) / 2)
+    assert rows["local"]["speedup"] == pytest.approx((16 + 20) / 2) and rows["local"]["full_tok_s"] == 275
+    assert result["checks"][0]["passed"] is False
+    text = report.format_report(result)
+    assert "of full" in text and "0.70x" in text
+
+
+def test_stream_engine_on_a_tiny_model(tiny, make_ids):
+    """A real run: both engines give the same perplexity over the tokens both streamed; every rate is positive."""
+    ids = make_ids(1, stream_engine.LENGTH)[0]
+    result = stream_engine.stream_engine(tiny, ids, ["h2o"], progress=False)
+    (row,) = result["stream_engine"]
+    assert row["ppl_whole_prefix"] == pytest.approx(row["ppl_decode_prefix"], rel=1e-5)
+    assert min(row["whole_tok_s"], row["decode_tok_s"], row["full_tok_s"], row["of_full"]) > 0

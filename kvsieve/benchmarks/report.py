@@ -77,10 +77,12 @@ def format_report(result: dict[str, Any]) -> str:
         )
         body = [
             [r["policy"], f"{r['whole_tok_s']:.1f}", f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.1f}x",
-             f"{r['ppl_whole']:.3f}", f"{r['ppl_whole_prefix']:.4f}", f"{r['ppl_decode_prefix']:.4f}"]
+             f"{r['full_tok_s']:.1f}", f"{r['of_full']:.2f}x", f"{r['ppl_whole']:.3f}", f"{r['ppl_whole_prefix']:.4f}",
+             f"{r['ppl_decode_prefix']:.4f}"]
             for r in result["stream_engine"]
         ]  # fmt: skip
-        header = ["policy", "whole tok/s", "decode tok/s", "speed-up", "ppl", "ppl prefix whole", "ppl prefix decode"]
+        header = ["policy", "whole tok/s", "decode tok/s", "speed-up", "full tok/s", "of full", "ppl",
+                  "ppl prefix whole", "ppl prefix decode"]  # fmt: skip
         return "\n".join(lines + _table(header, body) + _checks(result["checks"], STREAM_ENGINE))
     body = []
     for c in result["cells"]:
