@@ -11,7 +11,7 @@ import kvsieve
 from kvsieve.engine import compiled
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV
-from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScoreRule
+from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScoreRule, Slots, demote
 from kvsieve.policies.h2o import H2O
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
@@ -133,23 +133,23 @@ def test_the_torch_scan_decides_where_no_rule_applies(llama_gqa, make_ids, monke
 
 def test_only_policies_with_such_a_rule_state_it() -> None:
     rules = {name: cls(16).scan_rule() for name, cls in REGISTRY.items() if cls.bounded}
-    assert rules.pop("h2o") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=8))
+    assert rules.pop("h2o") == ScoreRule(accumulate=True, kept=Pattern(keep=0, recent=8))
     assert rules.pop("tova") == ScoreRule(accumulate=False, across_heads=True)
     assert rules.pop("h2o+local") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=8))
     assert rules.pop("h2o+strided") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=4, period=4, span=1))
     assert rules.pop("h2o+fixed") == ScoreRule(
         accumulate=True, kept=Pattern(keep=8, block=4, period=4, offset=1, span=1)
     )
-    assert rules.pop("snapkv") == ScoreRule(accumulate=True, kept=Pattern(keep=8, recent=8), pool=7)
+    assert rules.pop("snapkv") == ScoreRule(accumulate=True, kept=Pattern(keep=0, recent=8), pool=7)
     aha = rules.pop("ahakv")
-    assert (aha.accumulate, aha.kept, aha.pool) == (True, Pattern(keep=8, recent=8), 0)
+    assert (aha.accumulate, aha.kept, aha.pool) == (True, Pattern(keep=0, recent=8), 0)
     gain = aha.logit_scale(torch.tensor([[14, 15, 63]]))  # (15, 16 and 64 tokens seen)
     assert gain.tolist() == [pytest.approx([0.0, 0.0, (2 * math.log(4)) ** 0.5])]
     assert rules.pop("scissorhands") == LowMarks(window=100, recent=9, drop=8, by_step=False)
     assert rules.pop("knorm") == FixedPriority(recent=8, drop=1)
     assert set(rules.values()) == {None}
     assert H2O(16, H2O.make_params(normalize=True)).scan_rule() is None
-    assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, kept=Pattern(keep=3, recent=3))
+    assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, kept=Pattern(keep=0, recent=3))
     assert AhaKV(16, AhaKV.make_params(sgs=False)).scan_rule().logit_scale is None
 
 
@@ -177,3 +177,73 @@ def test_a_patterns_kept_set_is_its_policys_top_budget(name, budget) -> None:
         top = priority.topk(min(budget, len(held)), dim=-1).indices.flatten().tolist()
         expected = {held[i] for i in top if held[i] >= 0}
         assert _pattern_kept(policy.scan_pattern(), held, last) == expected
+
+
+def _slots(gen: torch.Generator, n: int, padding: int) -> Slots:
+    """A layer's slots in use as a decode step leaves them: two rows, three heads, held positions with gaps in
+    any slot order (a victim's slot takes the next token), ``padding`` slots of padding in the first row, scores
+    with ties."""
+    batch, heads, last = 2, 3, 4 * n
+    pos = torch.empty(batch, heads, n, dtype=torch.long)
+    for b in range(batch):
+        for h in range(heads):
+            window = torch.arange(last - n // 4 + 1, last + 1)  # (the newest: a recent window is held)
+            older = torch.randperm(last - n // 4 + 1, generator=gen)[: n - len(window)]
+            pos[b, h] = torch.cat([older, window])[torch.randperm(n, generator=gen)]
+    pos[0, :, torch.randperm(n, generator=gen)[:padding]] = -1
+    score = torch.randint(0, 6, (batch, heads, n), generator=gen).float() / 8
+    return Slots(pos, {"score": score}, torch.tensor([last, last]), torch.zeros(0), torch.zeros(0))
+
+
+@pytest.mark.parametrize(
+    ("policy", "params"),
+    [
+        ("snapkv", {}),
+        ("snapkv", {"kernel": 3, "window": 5}),
+        ("h2o+strided", {}),
+        ("h2o+strided", {"stride": 3, "recent": 2}),
+        ("h2o+fixed", {}),
+        ("h2o+fixed", {"block": 5, "summary": 2}),
+        ("h2o+local", {}),
+    ],
+)
+@pytest.mark.parametrize("padding", [0, 3])
+def test_a_decode_steps_victim_is_the_policys(policy, params, padding) -> None:
+    """The compiled victim is the slot the policy's priorities give (padding first, then argmin: ties to the
+    first slot, or for pooled scores to the oldest), whatever the slot order."""
+    cls = REGISTRY[policy]
+    instance = cls(16, cls.make_params(**params))
+    gen = torch.Generator().manual_seed(len(policy) + padding)
+    for _ in range(20):
+        slots = _slots(gen, 17, padding)
+        scores = instance.keep_scores(slots)
+        if padding:
+            scores = demote(scores, slots.pos < 0)
+        expected = scores.argmin(dim=-1, keepdim=True)
+        assert torch.equal(compiled.compiled_victims(instance.rule, slots, padding > 0), expected)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "ahakv"])
+def test_a_decode_step_asks_the_policy_where_the_loop_does_not_pay(policy) -> None:
+    """A plain recent window (or none) is one or two ops: the loop does not take it."""
+    instance = REGISTRY[policy](16)
+    assert compiled.compiled_victims(instance.rule, _slots(torch.Generator().manual_seed(0), 17, 0), False) is None
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o+fixed", "h2o+strided"])
+def test_generation_decodes_the_same_with_the_compiled_victim(llama_gqa, make_ids, monkeypatch, policy) -> None:
+    """Prompt, then decode steps one token at a time: the same tokens and the same held positions with the loop
+    choosing each step's victim and without it."""
+    victims = compiled._victims
+    calls = []
+    monkeypatch.setattr(compiled, "_victims", lambda *args: calls.append(1) or victims(*args))
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(compiled, "ENABLED", enabled)
+        cache = kvsieve.make_cache(llama_gqa, policy, 12)
+        with torch.inference_mode():
+            out = llama_gqa.generate(make_ids(2, 40), cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0)
+        results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
+    assert len(calls) >= 3 * 29
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(map(torch.equal, results[0][1], results[1][1]))

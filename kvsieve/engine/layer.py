@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
+from kvsieve.engine.compiled import compiled_victims
 from kvsieve.engine.plan import PolicyPlan, StepMemo
 from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, past
 from kvsieve.engine.rope import Rotary, ranks
@@ -521,9 +522,10 @@ class SieveLayer(CacheLayerMixin):
     def _choose(self, slots: Slots, target: int) -> torch.Tensor:
         """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
         kept ``[B, H, target]``, in slot order."""
-        scores = self._scores(slots)
         if self.store.used - target == 1:
-            return scores.argmin(dim=-1, keepdim=True)
+            victims = compiled_victims(self.policy.rule, slots, self.store.may_hold_padding)
+            return self._scores(slots).argmin(dim=-1, keepdim=True) if victims is None else victims
+        scores = self._scores(slots)
         return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
 
     def _choose_per_row(self, slots: Slots, rows: list[int], target: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,4 +180,4 @@ class AhaKV(Policy):
         if sgs and p.sgs_tokens == "kept":
             return None
         scale = functools.partial(seen_gain, budget=self.budget) if sgs else None
-        return ScoreRule(accumulate=True, kept=Pattern.newest(self.recent), logit_scale=scale)
+        return ScoreRule(accumulate=True, kept=Pattern.window(self.recent), logit_scale=scale)

@@ -152,7 +152,7 @@ class Observation:
 class Pattern:
     """Which held tokens a rule keeps whatever their scores, from positions alone (the newest position ``last``):
     the real tokens at the ``recent`` newest positions and, with a ``block``, those of ``last``'s block
-    (``p >= last // block · block``) are kept; then, up to ``keep`` in all, the candidates
+    (``p >= last // block · block``) are kept; then, while fewer than ``keep`` are, the candidates
     (``(p + offset) % period < span``) newest first, then the others newest first. As
     :meth:`PositionalPolicy.priority` ranks them (``local``, ``strided``, ``fixed``; at most ``keep`` protected)."""
 
@@ -164,9 +164,9 @@ class Pattern:
     span: int = 0
 
     @classmethod
-    def newest(cls, n: int) -> Pattern:
-        """The ``n`` newest positions (a recent window: :func:`recent_mask`)."""
-        return cls(keep=n, recent=n)
+    def window(cls, n: int) -> Pattern:
+        """The tokens at the ``n`` newest positions, nothing else (a recent window: :func:`recent_mask`)."""
+        return cls(keep=0, recent=n)
 
 
 @dataclass(frozen=True)
@@ -340,10 +340,15 @@ class Policy:
         raise NotImplementedError(f"{self.name} keeps everything: it has no priorities")
 
     def scan_rule(self) -> ScanRule | None:
-        """What :meth:`observe`, :meth:`n_keep` and :meth:`keep_scores` compute, as a rule the stream protocol's
-        compiled scan runs (:mod:`kvsieve.engine.compiled`), or None (the default): the scan then calls them token by
-        token."""
+        """What :meth:`observe`, :meth:`n_keep` and :meth:`keep_scores` compute, as a rule the engine's compiled loops
+        run (:mod:`kvsieve.engine.compiled`: the stream protocol's scan, a decode step's victim), or None (the
+        default): the engine calls them."""
         return None
+
+    @functools.cached_property
+    def rule(self) -> ScanRule | None:
+        """:meth:`scan_rule`, stated once (the parameters never change)."""
+        return self.scan_rule()
 
 
 class PositionalPolicy(Policy):

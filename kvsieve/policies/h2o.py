@@ -117,4 +117,4 @@ class H2O(Policy):
 
     def scan_rule(self) -> ScoreRule | None:
         plain = self.params.transform == "identity" and not self.params.normalize
-        return ScoreRule(accumulate=True, kept=Pattern.newest(self.recent)) if plain else None
+        return ScoreRule(accumulate=True, kept=Pattern.window(self.recent)) if plain else None

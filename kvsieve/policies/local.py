@@ -17,4 +17,4 @@ class Local(SinkWindow):
     paper = "Beltagy et al., Longformer, 2020 (window attention baseline in H2O / StreamingLLM)"
 
     def scan_pattern(self) -> Pattern:
-        return Pattern.newest(self.budget)
+        return Pattern(keep=self.budget, recent=self.budget)

@@ -96,4 +96,4 @@ class SnapKV(Policy):
         # (in a stream each query is the newest token, inside a window of at least one: every one is counted)
         if self.window == 0:
             return None
-        return ScoreRule(accumulate=True, kept=Pattern.newest(self.window), pool=self.params.kernel)
+        return ScoreRule(accumulate=True, kept=Pattern.window(self.window), pool=self.params.kernel)
