@@ -35,8 +35,10 @@ except ImportError:  # (the `fast` extra is not installed)
 
 ENABLED = numba is not None
 """Whether scans and decode steps use the compiled loops where they can (tests switch it off to compare)."""
+_compiled = (lambda f: f) if numba is None else numba.njit(cache=True, nogil=True)
 
 
+@_compiled
 def _group_probs(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -73,6 +75,7 @@ def _group_probs(
     return held
 
 
+@_compiled
 def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position: int, real: bool) -> None:
     """Reveal the run's ``t``-th slot (at ``position``, -1 for padding) and note what query ``t`` cannot see (a
     padding query: nothing, it sees every slot)."""
@@ -82,9 +85,10 @@ def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position:
         gone[b, h, t, j] = real and pos[b, h, j] < 0
 
 
-_bulk_target = drop_in_bulk  # (compiled below with the loops that call it)
+_bulk_target = _compiled(drop_in_bulk)  # (the policies' own rule, compiled for the loops that call it)
 
 
+@_compiled
 def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int, kept: float | int) -> None:
     """Evict the ``count`` slots of row ``b``, head ``h`` with the lowest ``order`` (``torch.topk``'s set; the first
     lowest for one), marking them evicted in ``pos``; ``kept``: the order of a protected slot."""
@@ -94,6 +98,7 @@ def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int
         order[victim] = kept
 
 
+@_compiled
 def _pattern_kept(
     pos: np.ndarray, b: int, h: int, last: int, pattern: tuple, kept: np.ndarray, rank: np.ndarray
 ) -> None:
@@ -120,6 +125,7 @@ def _pattern_kept(
             kept[j] = kept[j] or (rank[j] > lowest and rank[j] >= bar)
 
 
+@_compiled
 def _pooled_victim(
     score: np.ndarray, pos: np.ndarray, b: int, h: int, kept: np.ndarray, pool: int, order: np.ndarray
 ) -> int:
@@ -145,6 +151,7 @@ def _pooled_victim(
     return victim
 
 
+@_compiled
 def _victim(
     score: np.ndarray,
     pos: np.ndarray,
@@ -174,6 +181,7 @@ def _victim(
     return np.argmin(order)
 
 
+@_compiled
 def _victims(
     score: np.ndarray, pos: np.ndarray, padded: bool, lasts: np.ndarray, pattern: tuple, pool: int, out: np.ndarray
 ) -> None:
@@ -187,6 +195,7 @@ def _victims(
             out[b, h, 0] = _victim(score, pos, padded, b, h, lasts[b], pattern, pool, kept, rank, order)
 
 
+@_compiled
 def _score_rule(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -251,6 +260,7 @@ def _score_rule(
     return held
 
 
+@_compiled
 def _low_marks(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -292,6 +302,7 @@ def _low_marks(
     return held
 
 
+@_compiled
 def _fixed_priority(
     pos: np.ndarray,
     query_pos: np.ndarray,
@@ -322,37 +333,6 @@ def _fixed_priority(
                     _evict_lowest(pos, order, b, h, held + 1 - target, protected)
                 held = target
     return held
-
-
-if numba is not None:
-    (
-        _group_probs,
-        _reveal,
-        _bulk_target,
-        _evict_lowest,
-        _pattern_kept,
-        _pooled_victim,
-        _victim,
-        _victims,
-        _score_rule,
-        _low_marks,
-        _fixed_priority,
-    ) = (
-        numba.njit(cache=True, nogil=True)(f)
-        for f in (
-            _group_probs,
-            _reveal,
-            _bulk_target,
-            _evict_lowest,
-            _pattern_kept,
-            _pooled_victim,
-            _victim,
-            _victims,
-            _score_rule,
-            _low_marks,
-            _fixed_priority,
-        )
-    )
 
 
 def _fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
