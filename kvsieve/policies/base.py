@@ -24,6 +24,10 @@ Per-slot state is declared by ``state_spec`` and stored by the engine next to th
 moves with its token when slots are evicted, compacted or reordered. New slots start at zero, or at what
 ``initial_state`` gives them.
 
+A policy whose ``observe`` and ``keep_scores`` follow one of the rules the engine has as compiled loops states it
+with ``scan_rule`` (:class:`ScoreRule`, :class:`LowMarks`, :class:`FixedPriority`): the stream protocol's scan and
+a decode step's victim then run without calling them, with the same decisions (tested against the calls).
+
 A new policy is one file in this package with a :func:`register`-decorated subclass.
 """
 
