@@ -32,12 +32,10 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
     runs = []
     loop = compiled._score_rule
 
-    def padded(pos, query_pos, pads, *args):  # (the loop's arguments: logits, pos, query_pos, lasts, pads, ...)
+    def padded(query_pos, pads):  # (the loop's arguments: logits, pos, query_pos, lasts, pads, ...)
         return bool(pads.any() or (query_pos < 0).any())
 
-    monkeypatch.setattr(
-        compiled, "_score_rule", lambda *args: runs.append(padded(args[1], args[2], args[4])) or loop(*args)
-    )
+    monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(padded(args[2], args[4])) or loop(*args))
     marks = compiled._low_marks
     monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(False) or marks(*args))
     fixed = compiled._fixed_priority

@@ -170,9 +170,10 @@ def _victim(
     slot holds a token or padding), else the lowest-scored (pooled) outside the pattern (``kept``, ``rank``,
     ``order``: scratch)."""
     n = pos.shape[2]
-    for j in range(n):
-        if padded and pos[b, h, j] < 0:
-            return j
+    if padded:
+        for j in range(n):
+            if pos[b, h, j] < 0:
+                return j
     _pattern_kept(pos, b, h, last, pattern, kept, rank)
     if pool > 0:
         return _pooled_victim(score, pos, b, h, kept, pool, order)
