@@ -228,20 +228,45 @@ def test_a_decode_step_asks_the_policy_where_the_loop_does_not_pay(policy) -> No
     assert compiled.compiled_victims(instance.rule, _slots(torch.Generator().manual_seed(0), 17, 0), False) is None
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o+fixed", "h2o+strided"])
-def test_generation_decodes_the_same_with_the_compiled_victim(llama_gqa, make_ids, monkeypatch, policy) -> None:
-    """Prompt, then decode steps one token at a time: the same tokens and the same held positions with the loop
-    choosing each step's victim and without it."""
-    victims = compiled._victims
-    calls = []
-    monkeypatch.setattr(compiled, "_victims", lambda *args: calls.append(1) or victims(*args))
+def _counted(loop, calls: list[int]):
+    """``loop`` noting each call in ``calls``."""
+
+    def counted(*args):
+        calls.append(1)
+        return loop(*args)
+
+    return counted
+
+
+SCORE_RULE_POLICIES = ["h2o", "tova", "ahakv", "snapkv", "h2o+local", "h2o+strided", "h2o+fixed"]
+
+
+@pytest.mark.parametrize("policy", SCORE_RULE_POLICIES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids, monkeypatch, policy, padded) -> None:
+    """Prompt, then decode steps one token at a time: the same tokens and the same held positions with the loops
+    (each step's probabilities, scores and victim in one call; in a batch with padding, the victim alone where
+    pooling or a pattern ranks) and without them."""
+    calls = {"_decode_rule": [], "_victims": []}
+    for name, seen in calls.items():
+        monkeypatch.setattr(compiled, name, _counted(getattr(compiled, name), seen))
+    ids = make_ids(2, 8 if padded else 40)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0 if padded else 1
     results = []
     for enabled in (True, False):
         monkeypatch.setattr(compiled, "ENABLED", enabled)
         cache = kvsieve.make_cache(llama_gqa, policy, 12)
         with torch.inference_mode():
-            out = llama_gqa.generate(make_ids(2, 40), cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0)
+            out = llama_gqa.generate(
+                ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0
+            )
         results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
-    assert len(calls) >= 3 * 29
+    if padded:  # (the steps of a batch with padding: the victim alone, by the loop where it ranks)
+        rule = REGISTRY[policy](12).rule
+        assert bool(calls["_victims"]) == bool(rule.pool or rule.kept.keep)
+    else:
+        assert len(calls["_decode_rule"]) >= 3 * 29
+        assert not calls["_victims"]
     assert torch.equal(results[0][0], results[1][0])
     assert all(map(torch.equal, results[0][1], results[1][1]))

@@ -311,7 +311,8 @@ def sieve_attention(
             )
         return _fallback_attention(fallback, module)(module, query, key, value, attention_mask, **kwargs)
     try:
-        layers = getattr(module.config, "num_hidden_layers", None)
+        # (checked by the first layer, which every forward pass runs: the config's attributes are slow to read)
+        layers = getattr(module.config, "num_hidden_layers", None) if layer.layer_idx == 0 else None
         if layers is not None and layers != layer.n_layers:
             raise ValueError(
                 f"this kvsieve cache was made for a model of {layer.n_layers} layers, not {layers}: a cache serves one "

@@ -16,9 +16,11 @@ The exponentials (and AhaKV's logit multipliers, computed for the whole run at o
 ones, so scores may differ from the torch scan's in the last bits (tested: the same kept tokens and bitwise the same
 logits).
 
-A decode step's one victim under a :class:`~kvsieve.policies.base.ScoreRule` (:func:`compiled_victims`) is the same
-choice in one call where the policy's priorities take many small ops: SnapKV's pooling in position order, the
-h2o+ patterns' ranking (2–4 % of a decode step at budget 512, measured with the loop on and off in lockstep).
+A decode step under a :class:`~kvsieve.policies.base.ScoreRule` over real slots (:func:`compiled_decode`) takes the
+query's probabilities from torch's softmax (they weigh the values too) and does the rest of the policy's step in one
+call: the group sums added to the score, the victim chosen. While padding is held, the victim alone is chosen in one
+call where the policy's priorities take many small ops (:func:`compiled_victims`: SnapKV's pooling in position order,
+the h2o+ patterns' ranking).
 """
 
 from __future__ import annotations
@@ -197,6 +199,55 @@ def _victims(
 
 
 @_compiled
+def _add_scores(score: np.ndarray, total: np.ndarray, b: int, accumulate: bool, across_heads: bool) -> None:
+    """Row ``b``'s ``score`` ``[B, H, N]`` plus (``accumulate``) or replaced by its query's group-summed
+    probabilities ``total`` ``[H, N]`` (summed over the heads too, ``across_heads``: ``total`` changes)."""
+    heads, n = total.shape
+    if across_heads:
+        for h in range(1, heads):
+            total[0] += total[h]
+        for h in range(1, heads):
+            total[h] = total[0]
+    for h in range(heads):
+        for j in range(n):
+            score[b, h, j] = score[b, h, j] + total[h, j] if accumulate else total[h, j]
+
+
+@_compiled
+def _decode_rule(
+    probs: np.ndarray,
+    pos: np.ndarray,
+    lasts: np.ndarray,
+    score: np.ndarray,
+    victims: np.ndarray,
+    evict: bool,
+    accumulate: bool,
+    pattern: tuple,
+    across_heads: bool,
+    pool: int,
+) -> None:
+    """A decode step under a :class:`~kvsieve.policies.base.ScoreRule` (as one token of :func:`_score_rule`):
+    ``probs`` ``[B, H, G, N]``, each row's query's probabilities over the slots in use (all held: no padding),
+    summed over the group in order into ``score`` (updated); ``victims`` ``[B, H, 1]`` filled when one slot goes
+    (``evict``)."""
+    bsz, heads, group, n = probs.shape
+    total = np.zeros((heads, n), dtype=probs.dtype)
+    order = np.empty(n, dtype=np.float64)
+    kept = np.empty(n, dtype=np.bool_)
+    rank = np.empty(n, dtype=np.int64)
+    for b in range(bsz):
+        total[:] = 0
+        for h in range(heads):
+            for g in range(group):
+                for j in range(n):
+                    total[h, j] += probs[b, h, g, j]
+        _add_scores(score, total, b, accumulate, across_heads)
+        if evict:
+            for h in range(heads):
+                victims[b, h, 0] = _victim(score, pos, False, b, h, lasts[b], pattern, pool, kept, rank, order)
+
+
+@_compiled
 def _score_rule(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -238,14 +289,8 @@ def _score_rule(
                     _group_probs(logits, pos, b, h, t, probs, total[h], scales[b, t])
                 else:
                     total[h] = 0
-            if across_heads:
-                for h in range(1, heads):
-                    total[0] += total[h]
-                for h in range(1, heads):
-                    total[h] = total[0]
+            _add_scores(score, total, b, accumulate, across_heads)
             for h in range(heads):
-                for j in range(n):
-                    score[b, h, j] = score[b, h, j] + total[h, j] if accumulate else total[h, j]
                 if held <= limit:
                     continue
                 victim = -1
@@ -339,6 +384,39 @@ def _fixed_priority(
 def _fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
     """A :class:`~kvsieve.policies.base.Pattern`'s fields as the loops take them."""
     return pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span
+
+
+def decodes_by_rule(rule: ScanRule | None, device: torch.device) -> bool:
+    """Whether :func:`compiled_decode` runs a decode step under ``rule`` on ``device``."""
+    return ENABLED and isinstance(rule, ScoreRule) and device.type == "cpu"
+
+
+def compiled_decode(
+    rule: ScoreRule, logits: torch.Tensor, slots: Slots, evict: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's observation and choice under ``rule`` (where :func:`decodes_by_rule`): ``logits``
+    ``[B, H, G, N]`` of each row's one query over the slots in use (each holding a real token; the query's position
+    is the newest) → its probabilities ``[B, H, G, N]`` (torch's softmax), and, in one compiled call, the policy's
+    score updated (from the softmax of the logits times ``rule.logit_scale`` where given) and the victim per
+    (row, head) ``[B, H, 1]`` (meaningful when one slot goes, ``evict``)."""
+    probs = logits.softmax(dim=-1)
+    observed = probs
+    if rule.logit_scale is not None:
+        observed = (logits * rule.logit_scale(slots.last[:, None])[:, 0, None, None, None]).softmax(dim=-1)
+    victims = np.zeros((*logits.shape[:2], 1), dtype=np.int64)
+    _decode_rule(
+        observed.numpy(),
+        slots.pos.numpy(),
+        slots.last.numpy(),
+        slots.state["score"].numpy(),
+        victims,
+        evict,
+        rule.accumulate,
+        _fields(rule.kept),
+        rule.across_heads,
+        rule.pool,
+    )
+    return probs, torch.from_numpy(victims)
 
 
 def compiled_victims(rule: ScanRule | None, slots: Slots, padded: bool) -> torch.Tensor | None:

@@ -29,12 +29,19 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
-from kvsieve.engine.compiled import compiled_victims
+from kvsieve.engine.compiled import compiled_decode, compiled_victims, decodes_by_rule
 from kvsieve.engine.plan import PolicyPlan, StepMemo
 from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, past
 from kvsieve.engine.rope import Rotary, ranks
 from kvsieve.engine.scan import run_length, scan, scannable
-from kvsieve.engine.slot_attention import AttentionArgs, Exact, Visibility, fused_attention, observed_attention
+from kvsieve.engine.slot_attention import (
+    AttentionArgs,
+    Exact,
+    Visibility,
+    decided_attention,
+    fused_attention,
+    observed_attention,
+)
 from kvsieve.engine.storage import SlotStore
 from kvsieve.engine.stream import chunk_positions, plan_chunks
 from kvsieve.policies import Policy, Slots
@@ -331,6 +338,14 @@ class SieveLayer(CacheLayerMixin):
         prompt = (q if self.prompt_tokens is None else min(self.prompt_tokens, q)) if self.tokens_seen == q else 0
         self.prompt_tokens = None
         self._enter_phase(decoding=prompt == 0)
+        padding = mask.new_tokens(q)
+        step = Chunk(query, new_keys, new_values, None if padding is None else padding.to(self.device))
+        columns = self._columns(mask.padding) if args.weights else None
+        if q == 1 and not self.record_past:  # (a decode step: one chunk, nothing to plan)
+            self.recording = None
+            out = self._step(step, args, columns=columns)
+            self._enter_phase(decoding=True)  # (a one-token prompt is done)
+            return out
         chunks = plan_chunks(
             q,
             prompt,
@@ -341,9 +356,6 @@ class SieveLayer(CacheLayerMixin):
             held=self.store.used,
             rolling=self.rotary is not None,
         )
-        padding = mask.new_tokens(q)
-        step = Chunk(query, new_keys, new_values, None if padding is None else padding.to(self.device))
-        columns = self._columns(mask.padding) if args.weights else None
         if not self.record_past:
             self.recording = None
         outputs, pairs, i = [], list(pairwise(chunks.bounds)), 0
@@ -432,7 +444,12 @@ class SieveLayer(CacheLayerMixin):
         # Once a bounded policy's layer may grow without limit, nothing is evicted again: its statistics would never
         # be used. A policy that never evicts observes all the same (the profiled schedule's Coverage measures).
         observes = policy.needs_attention and not policy.narrows and (self.limit is not None or not policy.bounded)
-        if observes or policy.narrows or args.explicit or exact is not None:
+        decided = victim = None
+        if observes and seen.all_visible and not (args.explicit or exact) and decodes_by_rule(policy.rule, keys.device):
+            decided = self._decide_by_rule(query, keys, values, slots, args)
+        if decided is not None:
+            out, victim = decided
+        elif observes or policy.narrows or args.explicit or exact is not None:
             observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
             narrow = policy.narrow if policy.narrows else None
             # The rows before those the policy observes need no probabilities: the fused kernel attends them over
@@ -453,9 +470,25 @@ class SieveLayer(CacheLayerMixin):
             out = fused_attention(query, keys, values, slots.pos, query_pos, args, seen)
         if weights is not None:
             weights = _by_column(weights, slots.pos, columns, self.tokens_seen)
-        self._evict(slots)
+        self._evict(slots, victim)
         store.release()
         return out, weights
+
+    def _decide_by_rule(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: Slots, args: AttentionArgs
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A decode step over real slots whose observation and victim the policy states as a ``ScoreRule``: its
+        probabilities, the score and the victim in one compiled call (:func:`compiled_decode`). Returns the output and
+        the victim (None when no single slot goes); None where that does not apply (autograd; a policy that observes
+        none of the step's rows) and the step attends, observes and chooses in torch."""
+        if query.requires_grad or self.policy.observed_rows() == 0:
+            return None
+        used = self.store.used
+        evict = self.n_keep(used) == used - 1
+        out, victims = decided_attention(
+            query, keys, values, args.scaling, lambda logits: compiled_decode(self.policy.rule, logits, slots, evict)
+        )
+        return out, victims if evict else None
 
     def _rolled_query(
         self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int
@@ -464,8 +497,9 @@ class SieveLayer(CacheLayerMixin):
         query_rank = rank[:, :, new].repeat_interleave(query.shape[1] // kv_heads, dim=1)
         return self.rotary.rotate(query, query_rank - query_pos[:, None, :])
 
-    def _evict(self, slots: Slots) -> None:
-        """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use)."""
+    def _evict(self, slots: Slots, victim: torch.Tensor | None = None) -> None:
+        """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use; ``victim``: the slot per
+        (row, head) already chosen when one goes)."""
         self.eviction_rounds += 1
         store, policy = self.store, self.policy
         target, rows = self.n_keep(store.used), None
@@ -479,7 +513,11 @@ class SieveLayer(CacheLayerMixin):
             store.keep(chosen)
             store.positions[:, :, :target].masked_fill_(evicted, -1)  # (holes where a row keeps fewer)
         else:
-            chosen = self.shared_decision(self.eviction_rounds, lambda: self._choose(slots, target))
+            chosen = (
+                victim
+                if victim is not None
+                else self.shared_decision(self.eviction_rounds, lambda: self._choose(slots, target))
+            )
             if store.used - target == 1:
                 store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
             else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from kvsieve.policies.base import Observation, visible_slots
 # attention of a 2^21-element block runs 2x faster than of a 2^25 one (one CPU thread).
 BLOCK_ELEMENTS = 1 << 21
 MIN_BLOCK_ROWS = 16  # a floor, so that large batches over long caches do not loop over single rows
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,28 @@ def fused_attention(
             )
         )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def decided_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    decide: Callable[[torch.Tensor], tuple[torch.Tensor, T]],
+) -> tuple[torch.Tensor, T]:
+    """A decode step's attention (``query`` ``[B, Hq, 1, D]``, every slot visible) whose probabilities come from
+    ``decide(logits)`` → ``(probs, decision)``, logits and probabilities ``[B, Hkv, G, N]`` (fp32, fp64 for a fp64
+    model). Returns the output ``[B, Hq, 1, D]`` and the decision."""
+    bsz, n_q_heads, _, head_dim = query.shape
+    n_kv_heads, n_slots = keys.shape[1], keys.shape[2]
+    group = n_q_heads // n_kv_heads
+    q_fold = (query * scaling).reshape(bsz * n_kv_heads, group, head_dim)
+    key_t = keys.transpose(-1, -2).reshape(bsz * n_kv_heads, head_dim, n_slots)
+    precision = torch.promote_types(query.dtype, torch.float32)
+    logits = torch.bmm(q_fold, key_t).to(precision).view(bsz, n_kv_heads, group, n_slots)
+    probs, decision = decide(logits)
+    out = weighted_values(probs.to(values.dtype), values.reshape(bsz * n_kv_heads, n_slots, -1))
+    return out.view(bsz, n_q_heads, 1, -1), decision
 
 
 @functools.cache
