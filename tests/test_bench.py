@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import kvsieve
 from kvsieve.benchmarks import (
     bench,
     capacity,
@@ -56,7 +57,9 @@ def _kv_bytes_per_slot(model) -> int:
 
 
 @pytest.mark.parametrize("prompt", [5, 20])
-def test_floor_holds_exactly_budget_slots_with_the_newest_tokens(tiny, make_ids, prompt):
+def test_floor_holds_budget_tokens_and_the_new_one_in_as_many_slots(tiny, make_ids, prompt):
+    """The ring has ``budget + 1`` slots, as an evicting cache at that budget allocates (its held tokens and the new
+    one, attended together before it evicts), and holds the newest tokens."""
     budget, steps, batch = 8, 6, 2
     tiny.set_attn_implementation("sdpa")
     floor, full = FloorCache(budget, tiny.config.num_hidden_layers), DynamicCache(config=tiny.config)
@@ -65,14 +68,19 @@ def test_floor_holds_exactly_budget_slots_with_the_newest_tokens(tiny, make_ids,
             tiny(make_ids(batch, prompt), cache=cache, use_cache=True)
             for t in range(steps):
                 tiny(make_ids(batch, 1, seed=10 + t), cache=cache, use_cache=True)
-    seen = prompt + steps
+    seen, slots = prompt + steps, budget + 1
     assert floor.get_seq_length() == seen
-    assert all(layer.keys.shape[2] == budget == layer.values.shape[2] for layer in floor.layers)
-    assert memory.kv_nbytes(floor) == batch * budget * _kv_bytes_per_slot(tiny)
-    # Layer 0's keys depend only on token and position: the ring holds the newest tokens, position p in slot p % B.
+    assert all(layer.keys.shape[2] == slots == layer.values.shape[2] for layer in floor.layers)
+    assert memory.kv_nbytes(floor) == batch * slots * _kv_bytes_per_slot(tiny)
+    sieve = kvsieve.make_cache(tiny, "local", budget)
+    with torch.inference_mode():
+        tiny(make_ids(batch, prompt), cache=sieve)
+        tiny(make_ids(batch, 1), cache=sieve)
+    assert memory.kv_nbytes(sieve) == memory.kv_nbytes(floor)
+    # Layer 0's keys depend only on token and position: the ring holds the newest tokens, position p in slot p % S.
     ring, reference = floor.layers[0].keys, full.layers[0].keys
-    for p in range(seen - budget, seen):
-        torch.testing.assert_close(ring[:, :, p % budget], reference[:, :, p])
+    for p in range(seen - slots, seen):
+        torch.testing.assert_close(ring[:, :, p % slots], reference[:, :, p])
 
 
 def test_floor_takes_one_prompt_then_single_tokens(tiny, make_ids):

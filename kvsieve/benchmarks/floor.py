@@ -1,10 +1,12 @@
 """The *floor* of the benchmark: a plain cache that already holds ``budget`` tokens and does no eviction work.
 
-Each layer is a ring buffer of exactly ``budget`` slots allocated on its first update. The prompt is attended in
-full (the step returns its own keys, so transformers' sdpa runs with ``is_causal``) and its newest ``budget``
-tokens are copied into the ring; every later token overwrites the oldest slot and the step attends over all
-filled slots with transformers' sdpa and no mask. That is the least work any cache holding ``budget`` tokens can
-do per step, so its speed and memory are the best an evicting cache can reach at that budget.
+Each layer is a ring buffer of exactly ``budget + 1`` slots allocated on its first update: the ``budget`` tokens held
+between steps and the new one, which a cache at that budget attends to together before it evicts (an evicting cache
+allocates the same spare slot). The prompt is attended in full (the step returns its own keys, so transformers' sdpa
+runs with ``is_causal``) and its newest ``budget + 1`` tokens are copied into the ring; every later token overwrites
+the oldest slot and the step attends over all filled slots with transformers' sdpa and no mask. That is the least
+work any cache holding ``budget`` tokens can do per step, so its speed and memory are the best an evicting cache can
+reach at that budget.
 
 Its *outputs are not meaningful*: the ring is not in position order and no mask hides anything, so only its
 speed and memory are measured. It is built through transformers' public ``Cache`` / ``CacheLayerMixin`` API and
@@ -20,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class FloorLayer(CacheLayerMixin):
-    """One layer of a :class:`FloorCache`: a ring of ``budget`` slots (see the module docstring)."""
+    """One layer of a :class:`FloorCache`: a ring of ``budget + 1`` slots (see the module docstring)."""
 
     is_sliding = False
 
@@ -29,13 +31,14 @@ class FloorLayer(CacheLayerMixin):
         if budget <= 0:
             raise ValueError(f"the floor cache needs a positive budget, got {budget}")
         self.budget = budget
+        self.slots = budget + 1
         self.seen = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bsz, heads = key_states.shape[:2]
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros((bsz, heads, self.budget, key_states.shape[-1]))
-        self.values = value_states.new_zeros((bsz, heads, self.budget, value_states.shape[-1]))
+        self.keys = key_states.new_zeros((bsz, heads, self.slots, key_states.shape[-1]))
+        self.values = value_states.new_zeros((bsz, heads, self.slots, value_states.shape[-1]))
         self.is_initialized = True
 
     def update(
@@ -46,23 +49,23 @@ class FloorLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         if q == 1:
-            slot = self.seen % self.budget
+            slot = self.seen % self.slots
             self.keys[:, :, slot : slot + 1] = key_states
             self.values[:, :, slot : slot + 1] = value_states
             self.seen += 1
-            filled = min(self.seen, self.budget)
+            filled = min(self.seen, self.slots)
             return self.keys[:, :, :filled], self.values[:, :, :filled]
         if self.seen:
             raise ValueError("the floor cache takes one multi-token step (the prompt), then single tokens")
-        kept = min(q, self.budget)
-        shift = (q - kept) % self.budget  # the token at position p lives in slot p % budget
+        kept = min(q, self.slots)
+        shift = (q - kept) % self.slots  # the token at position p lives in slot p % (budget + 1)
         self.keys[:, :, :kept] = key_states[:, :, q - kept :].roll(shift, dims=2)
         self.values[:, :, :kept] = value_states[:, :, q - kept :].roll(shift, dims=2)
         self.seen = q
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kv_length = query_length if self.seen == 0 else min(self.seen + query_length, self.budget)
+        kv_length = query_length if self.seen == 0 else min(self.seen + query_length, self.slots)
         return kv_length, self.seen + query_length - kv_length
 
     def get_seq_length(self) -> int:
@@ -79,7 +82,7 @@ class FloorLayer(CacheLayerMixin):
 
 
 class FloorCache(Cache):
-    """A :class:`FloorLayer` per model layer, each holding at most ``budget`` tokens."""
+    """A :class:`FloorLayer` per model layer, each holding ``budget`` tokens between steps."""
 
     layers: list[FloorLayer]
 

@@ -178,6 +178,12 @@ def fused_attention(
     bsz, n_q_heads, q_len, head_dim = query.shape
     n_kv_heads = keys.shape[1]
     group = n_q_heads // n_kv_heads
+    if q_len == 1:
+        # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
+        allowed = visible(key_pos, query_pos, args.window, seen)
+        q_fold = query.reshape(bsz, n_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(q_fold, keys, values, attn_mask=allowed, scale=args.scaling)
+        return out.reshape(bsz, n_q_heads, 1, -1)
     if prompt_only(keys, query_pos, args.window, seen):
         # The kernel's own causal mask, over the whole prompt at once (its memory stays O(n·block) too).
         return F.scaled_dot_product_attention(
@@ -189,12 +195,6 @@ def fused_attention(
     outputs = []
     for blk in _blocks(query, keys, values, key_pos, query_pos, seen.causal_tail):
         allowed = visible(blk.key_pos, blk.query_pos, args.window, seen)
-        if blk.end - blk.start == 1:
-            # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
-            q_fold = blk.query.reshape(bsz, n_kv_heads, group, head_dim)
-            out = F.scaled_dot_product_attention(q_fold, blk.keys, blk.values, attn_mask=allowed, scale=args.scaling)
-            outputs.append(out.reshape(bsz, n_q_heads, 1, -1))
-            continue
         if allowed is not None:
             allowed = allowed[:, :1] if shared_layout else allowed.repeat_interleave(group, dim=1)
         outputs.append(

@@ -365,11 +365,14 @@ def _put(
 ) -> None:
     """In place: write new tokens' entries into each ``(slot tensor, entries)`` pair: one token per (row, head) into
     slot ``stale[b, h, 0]``, or several into slots ``start:end``."""
+    index = {}  # (the stale slots expanded once per shape of slot tensor: keys and values share theirs)
     for t, new in pairs:
-        if stale is not None:
-            t.scatter_(2, _state_index(stale, t), new)
-        else:
+        if stale is None:
             t[:, :, start:end] = new
+            continue
+        if t.shape[3:] not in index:
+            index[t.shape[3:]] = _state_index(stale, t)
+        t.scatter_(2, index[t.shape[3:]], new)
 
 
 def _move_slot(tensors: Iterable[torch.Tensor], src: int, dst: torch.Tensor) -> None:
