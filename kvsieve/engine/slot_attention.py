@@ -179,8 +179,10 @@ def fused_attention(
     n_kv_heads = keys.shape[1]
     group = n_q_heads // n_kv_heads
     if q_len == 1:
-        # Decode: fold the group's query heads into the query axis; the per-KV-head mask then broadcasts.
         allowed = visible(key_pos, query_pos, args.window, seen)
+        if allowed is None:  # (per query head: the kernel splits its work over more heads than over KV heads)
+            return F.scaled_dot_product_attention(query, keys, values, scale=args.scaling, enable_gqa=group > 1)
+        # Fold the group's query heads into the query axis: the per-KV-head mask then broadcasts.
         q_fold = query.reshape(bsz, n_kv_heads, group, head_dim)
         out = F.scaled_dot_product_attention(q_fold, keys, values, attn_mask=allowed, scale=args.scaling)
         return out.reshape(bsz, n_q_heads, 1, -1)
