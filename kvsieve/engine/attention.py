@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -148,10 +148,18 @@ class SieveMask:
     """The sliding window of the layers this mask is for (the model's mask rule ``kv > q - window``)."""
     unsupported: str | None = None
     """What the model asked of this mask that kvsieve does not implement (raised when a layer uses it)."""
+    new: tuple[int, torch.Tensor | None] | None = field(default=None, repr=False)
+    """:meth:`new_tokens` of the last step length asked."""
 
     def new_tokens(self, q: int) -> torch.Tensor | None:
-        """``[B, q]`` validity of the step's ``q`` new tokens (None = all real)."""
-        return None if self.padding is None else self.padding[:, -q:]
+        """``[B, q]`` validity of the step's ``q`` new tokens (None = all real: a batch's decode steps after left
+        padding take the paths of real tokens). Checked once per mask, which the layers of a forward pass share."""
+        if self.padding is None:
+            return None
+        if self.new is None or self.new[0] != q:
+            new = self.padding[:, -q:]
+            self.new = (q, None if bool(new.all()) else new)
+        return self.new[1]
 
 
 def _unsupported_mask(
