@@ -190,7 +190,9 @@ def _slots(gen: torch.Generator, n: int, padding: int) -> Slots:
             pos[b, h] = torch.cat([older, window])[torch.randperm(n, generator=gen)]
     pos[0, :, torch.randperm(n, generator=gen)[:padding]] = -1
     score = torch.randint(0, 6, (batch, heads, n), generator=gen).float() / 8
-    return Slots(pos, {"score": score}, torch.tensor([last, last]), torch.zeros(0), torch.zeros(0))
+    priority = torch.randint(-3, 3, (batch, heads, n), generator=gen)
+    state = {"score": score, "priority": priority}
+    return Slots(pos, state, torch.tensor([last, last]), torch.zeros(0), torch.zeros(0))
 
 
 @pytest.mark.parametrize(
@@ -203,6 +205,8 @@ def _slots(gen: torch.Generator, n: int, padding: int) -> Slots:
         ("h2o+fixed", {}),
         ("h2o+fixed", {"block": 5, "summary": 2}),
         ("h2o+local", {}),
+        ("knorm", {}),
+        ("knorm", {"recent": 0}),
     ],
 )
 @pytest.mark.parametrize("padding", [0, 3])
@@ -245,8 +249,8 @@ SCORE_RULE_POLICIES = ["h2o", "tova", "ahakv", "snapkv", "h2o+local", "h2o+strid
 @pytest.mark.parametrize("padded", [False, True])
 def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids, monkeypatch, policy, padded) -> None:
     """Prompt, then decode steps one token at a time: the same tokens and the same held positions with the loops
-    (each step's probabilities, scores and victim in one call; in a batch with padding, the victim alone where
-    pooling or a pattern ranks) and without them."""
+    (each step's scores and victim in one call; while padding is held, the victim alone where pooling or a pattern
+    ranks) and without them."""
     calls = {"_decode_rule": [], "_victims": []}
     for name, seen in calls.items():
         monkeypatch.setattr(compiled, name, _counted(getattr(compiled, name), seen))
@@ -262,11 +266,32 @@ def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids,
                 ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0
             )
         results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
-    if padded:  # (the steps of a batch with padding: the victim alone, by the loop where it ranks)
-        rule = REGISTRY[policy](12).rule
-        assert bool(calls["_victims"]) == bool(rule.pool or rule.kept.keep)
-    else:
-        assert len(calls["_decode_rule"]) >= 3 * 29
-        assert not calls["_victims"]
+    # (While a row's padding is held, the victim alone, by the loop where it ranks; once it is gone, whole steps.)
+    assert len(calls["_decode_rule"]) >= 3 * (20 if padded else 29)
+    rule = REGISTRY[policy](12).rule
+    assert bool(calls["_victims"]) == (padded and bool(rule.pool or rule.kept.keep))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(map(torch.equal, results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_generation_decodes_the_same_with_the_compiled_fixed_priority_victim(llama_gqa, make_ids, monkeypatch, padded):
+    """knorm (a :class:`FixedPriority`): each decode step's victim by the loop, the same tokens and held positions as
+    by the policy's priorities in torch."""
+    calls = []
+    monkeypatch.setattr(compiled, "_fixed_victims", _counted(compiled._fixed_victims, calls))
+    ids = make_ids(2, 8 if padded else 40)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0 if padded else 1
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(compiled, "ENABLED", enabled)
+        cache = kvsieve.make_cache(llama_gqa, "knorm:recent=4", 12)
+        with torch.inference_mode():
+            out = llama_gqa.generate(
+                ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0
+            )
+        results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
+    assert len(calls) >= 3 * (20 if padded else 29)
     assert torch.equal(results[0][0], results[1][0])
     assert all(map(torch.equal, results[0][1], results[1][1]))

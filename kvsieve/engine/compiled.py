@@ -199,6 +199,31 @@ def _victims(
 
 
 @_compiled
+def _fixed_victims(
+    priority: np.ndarray, pos: np.ndarray, padded: bool, lasts: np.ndarray, recent: int, out: np.ndarray
+) -> None:
+    """``out`` ``[B, H, 1]`` = each row and head's one victim under a :class:`~kvsieve.policies.base.FixedPriority`
+    (``recent``): if ``padded``, the first slot holding padding, else the lowest ``priority`` outside the ``recent``
+    newest positions (the first of equal ones)."""
+    n = pos.shape[2]
+    order = np.empty(n, dtype=np.int64)
+    highest = np.iinfo(np.int64).max
+    for b in range(pos.shape[0]):
+        for h in range(pos.shape[1]):
+            victim = -1
+            if padded:
+                for j in range(n):
+                    if pos[b, h, j] < 0:
+                        victim = j
+                        break
+            if victim < 0:
+                for j in range(n):
+                    order[j] = highest if pos[b, h, j] > lasts[b] - recent else priority[b, h, j]
+                victim = np.argmin(order)
+            out[b, h, 0] = victim
+
+
+@_compiled
 def _add_scores(score: np.ndarray, total: np.ndarray, b: int, accumulate: bool, across_heads: bool) -> None:
     """Row ``b``'s ``score`` ``[B, H, N]`` plus (``accumulate``) or replaced by its query's group-summed
     probabilities ``total`` ``[H, N]`` (summed over the heads too, ``across_heads``: ``total`` changes)."""
@@ -420,17 +445,24 @@ def compiled_decode(
 
 
 def compiled_victims(rule: ScanRule | None, slots: Slots, padded: bool) -> torch.Tensor | None:
-    """A step's one victim per (row, head) ``[B, H, 1]`` by a :class:`~kvsieve.policies.base.ScoreRule`'s
-    ``keep_scores`` in one compiled call (``slots``: the slots in use, each holding a token or, if ``padded``, maybe
-    padding, which goes first), the slot ``argmin`` picks from the policy's priorities; None when the loop does not
-    apply (no such rule, no numba, not on CPU) or would not pay (no pooling and no pattern to rank: the policy's
-    priorities are then one or two ops, cheaper than the call) and the engine asks the policy."""
-    if not ENABLED or not isinstance(rule, ScoreRule) or not (rule.pool or rule.kept.keep):
+    """A step's one victim per (row, head) ``[B, H, 1]`` by a :class:`~kvsieve.policies.base.ScoreRule`'s or a
+    :class:`~kvsieve.policies.base.FixedPriority`'s ``keep_scores`` in one compiled call (``slots``: the slots in use,
+    each holding a token or, if ``padded``, maybe padding, which goes first), the slot ``argmin`` picks from the
+    policy's priorities; None when the loop does not apply (no such rule, no numba, not on CPU) or would not pay (a
+    score without pooling or a pattern to rank: the policy's priorities are then one or two ops, cheaper than the
+    call) and the engine asks the policy."""
+    fixed = isinstance(rule, FixedPriority)
+    if not ENABLED or not (fixed or (isinstance(rule, ScoreRule) and (rule.pool or rule.kept.keep))):
         return None
     if slots.pos.device.type != "cpu":
         return None
     pos = slots.pos
     out = torch.empty((*pos.shape[:2], 1), dtype=torch.long)
+    if fixed:
+        _fixed_victims(
+            slots.state["priority"].numpy(), pos.numpy(), padded, slots.last.numpy(), rule.recent, out.numpy()
+        )
+        return out
     score, last = slots.state["score"].numpy(), slots.last.numpy()
     _victims(score, pos.numpy(), padded, last, _fields(rule.kept), rule.pool, out.numpy())
     return out
