@@ -23,6 +23,8 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import sdpa_mask
 
 import kvsieve
+from kvsieve.engine import compiled
+from kvsieve.engine.storage import SlotStore
 from kvsieve.policies import REGISTRY, Observation, Slots
 
 BUDGET = 10
@@ -63,7 +65,10 @@ class Run:
 
 
 def record(model: PreTrainedModel, stream: Callable, monkeypatch, policy: str, **params: Any) -> Run:
-    """Run ``policy`` at ``BUDGET`` on a padded batch of 2 through a prompt and ``STEPS`` decode steps."""
+    """Run ``policy`` at ``BUDGET`` on a padded batch of 2 through a prompt and ``STEPS`` decode steps, the policy's
+    own code observing every step (the compiled decode steps do without ``observe``: they are switched off here and
+    compared with it in ``test_compiled_scan``)."""
+    monkeypatch.setattr(compiled, "ENABLED", False)
     cls = REGISTRY[policy]
     calls: dict[int, list[Call]] = defaultdict(list)
     observe = cls.observe
@@ -84,7 +89,7 @@ def record(model: PreTrainedModel, stream: Callable, monkeypatch, policy: str, *
             step_calls.append(calls[key][seen[key] :])
             seen[key] = len(calls[key])
         run.steps.append(step_calls)
-        stores = [layer.store for layer in cache.layers]
+        stores = [_held(layer.store) for layer in cache.layers]
         run.slots.append([store.positions[:, :, : store.used].tolist() for store in stores])
         run.state.append([{k: v[:, :, : store.used].clone() for k, v in store.state.items()} for store in stores])
         run.counts.append(cache.slot_counts()[0])
@@ -94,6 +99,15 @@ def record(model: PreTrainedModel, stream: Callable, monkeypatch, policy: str, *
     mask[1, :PAD] = 0
     stream(model, cache, ids, STEPS, attention_mask=mask, on_step=on_step)
     return run
+
+
+def _held(store: SlotStore) -> SlotStore:
+    """``store`` without its stale slot (a decode step's victim whose slot the next token takes), as saved."""
+    if store.stale is None:
+        return store
+    store = store.copy()
+    store.compact()
+    return store
 
 
 # -- naive references -----------------------------------------------------------------------------------------------
@@ -186,7 +200,9 @@ def run_kept(model, policy: str, budget: int, prompt: torch.Tensor, steps: int, 
 
 
 def capture(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[tuple[int, torch.Tensor, Any]]:
-    """Record (layer id, slot positions, observation) of every ``observe`` call of ``cls``."""
+    """Record (layer id, slot positions, observation) of every ``observe`` call of ``cls`` (the compiled decode
+    steps, which do without it, switched off)."""
+    monkeypatch.setattr(compiled, "ENABLED", False)
     calls: list[tuple[int, torch.Tensor, Any]] = []
     original = cls.observe
 

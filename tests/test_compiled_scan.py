@@ -242,16 +242,16 @@ def _counted(loop, calls: list[int]):
     return counted
 
 
-SCORE_RULE_POLICIES = ["h2o", "tova", "ahakv", "snapkv", "h2o+local", "h2o+strided", "h2o+fixed"]
+RULE_POLICIES = ["h2o", "tova", "ahakv", "snapkv", "h2o+local", "h2o+strided", "h2o+fixed", "scissorhands"]
 
 
-@pytest.mark.parametrize("policy", SCORE_RULE_POLICIES)
+@pytest.mark.parametrize("policy", RULE_POLICIES)
 @pytest.mark.parametrize("padded", [False, True])
 def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids, monkeypatch, policy, padded) -> None:
     """Prompt, then decode steps one token at a time: the same tokens and the same held positions with the loops
     (each step's scores and victim in one call; while padding is held, the victim alone where pooling or a pattern
     ranks) and without them."""
-    calls = {"_decode_rule": [], "_victims": []}
+    calls = {"_decode_rule": [], "_decode_marks": [], "_victims": []}
     for name, seen in calls.items():
         monkeypatch.setattr(compiled, name, _counted(getattr(compiled, name), seen))
     ids = make_ids(2, 8 if padded else 40)
@@ -266,10 +266,14 @@ def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids,
                 ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0
             )
         results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
-    # (While a row's padding is held, the victim alone, by the loop where it ranks; once it is gone, whole steps.)
-    assert len(calls["_decode_rule"]) >= 3 * (20 if padded else 29)
+    # (While a row's padding is held, the victim alone, by the loop where it ranks; once it is gone, whole steps.
+    # Scissorhands counts each row's tokens: a padded row keeps fewer, its empty slots stay.)
     rule = REGISTRY[policy](12).rule
-    assert bool(calls["_victims"]) == (padded and bool(rule.pool or rule.kept.keep))
+    marks = isinstance(rule, LowMarks)
+    steps = calls["_decode_marks" if marks else "_decode_rule"]
+    assert len(steps) >= 3 * (0 if padded and marks else 20 if padded else 29)
+    ranks = isinstance(rule, ScoreRule) and bool(rule.pool or rule.kept.keep)
+    assert bool(calls["_victims"]) == (padded and ranks)
     assert torch.equal(results[0][0], results[1][0])
     assert all(map(torch.equal, results[0][1], results[1][1]))
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsieve.policies.base import FixedPriority, Pattern, ScanRule, ScoreRule, Slots, drop_in_bulk
+from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScanRule, ScoreRule, Slots, drop_in_bulk
 
 try:
     import numba
@@ -273,6 +273,26 @@ def _decode_rule(
 
 
 @_compiled
+def _decode_marks(probs: np.ndarray, pos: np.ndarray, lasts: np.ndarray, low: np.ndarray, by_step: bool) -> None:
+    """A decode step's marks under :class:`~kvsieve.policies.base.LowMarks` (as one token of :func:`_low_marks`):
+    ``probs`` ``[B, H, G, N]``, each row's query's probabilities over the slots in use (all held: no padding),
+    summed over the group in order; the query's column of the ``low`` ring ``[B, H, N, window]`` rewritten."""
+    bsz, heads, group, n = probs.shape
+    total = np.zeros(n, dtype=probs.dtype)
+    for b in range(bsz):
+        last = lasts[b]
+        column = last % low.shape[3]
+        bar = np.float32(group) / np.float32(last + 1 if by_step else n)
+        for h in range(heads):
+            total[:] = 0
+            for g in range(group):
+                for j in range(n):
+                    total[j] += probs[b, h, g, j]
+            for j in range(n):
+                low[b, h, j, column] = total[j] < bar
+
+
+@_compiled
 def _score_rule(
     logits: np.ndarray,
     pos: np.ndarray,
@@ -413,26 +433,31 @@ def _fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
 
 def decodes_by_rule(rule: ScanRule | None, device: torch.device) -> bool:
     """Whether :func:`compiled_decode` runs a decode step under ``rule`` on ``device``."""
-    return ENABLED and isinstance(rule, ScoreRule) and device.type == "cpu"
+    return ENABLED and isinstance(rule, ScoreRule | LowMarks) and device.type == "cpu"
 
 
 def compiled_decode(
-    rule: ScoreRule, logits: torch.Tensor, slots: Slots, evict: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    rule: ScoreRule | LowMarks, logits: torch.Tensor, slots: Slots, evict: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's observation and choice under ``rule`` (where :func:`decodes_by_rule`): ``logits``
     ``[B, H, G, N]`` of each row's one query over the slots in use (each holding a real token; the query's position
     is the newest) → its probabilities ``[B, H, G, N]`` (torch's softmax), and, in one compiled call, the policy's
-    score updated (from the softmax of the logits times ``rule.logit_scale`` where given) and the victim per
-    (row, head) ``[B, H, 1]`` (meaningful when one slot goes, ``evict``)."""
+    state updated and, under a ``ScoreRule``, the victim per (row, head) ``[B, H, 1]`` (meaningful when one slot
+    goes, ``evict``; None under ``LowMarks``, whose evictions the policy chooses). A ``ScoreRule``'s score adds the
+    softmax of the logits times its ``logit_scale`` where it has one."""
     probs = logits.softmax(dim=-1)
+    pos, last = slots.pos.numpy(), slots.last.numpy()
+    if isinstance(rule, LowMarks):
+        _decode_marks(probs.numpy(), pos, last, slots.state["low"].numpy(), rule.by_step)
+        return probs, None
     observed = probs
     if rule.logit_scale is not None:
         observed = (logits * rule.logit_scale(slots.last[:, None])[:, 0, None, None, None]).softmax(dim=-1)
     victims = np.zeros((*logits.shape[:2], 1), dtype=np.int64)
     _decode_rule(
         observed.numpy(),
-        slots.pos.numpy(),
-        slots.last.numpy(),
+        pos,
+        last,
         slots.state["score"].numpy(),
         victims,
         evict,

@@ -477,10 +477,11 @@ class SieveLayer(CacheLayerMixin):
     def _decide_by_rule(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: Slots, args: AttentionArgs
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A decode step over real slots whose observation and victim the policy states as a ``ScoreRule``: its
-        probabilities, the score and the victim in one compiled call (:func:`compiled_decode`). Returns the output and
-        the victim (None when no single slot goes); None where that does not apply (autograd; a policy that observes
-        none of the step's rows) and the step attends, observes and chooses in torch."""
+        """A decode step over real slots whose observation (and victim) the policy states as a rule
+        (:func:`compiled_decode`: a ``ScoreRule``'s score and victim, ``LowMarks``' marks in one compiled call).
+        Returns the output and the victim (None when no single slot goes or the policy chooses it); None where that
+        does not apply (autograd; a policy that observes none of the step's rows) and the step attends, observes and
+        chooses in torch."""
         if query.requires_grad or self.policy.observed_rows() == 0:
             return None
         used = self.store.used
@@ -488,7 +489,7 @@ class SieveLayer(CacheLayerMixin):
         out, victims = decided_attention(
             query, keys, values, args.scaling, lambda logits: compiled_decode(self.policy.rule, logits, slots, evict)
         )
-        return out, victims if evict else None
+        return out, victims if evict and victims is not None else None
 
     def _rolled_query(
         self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int
