@@ -242,7 +242,10 @@ def _counted(loop, calls: list[int]):
     return counted
 
 
-RULE_POLICIES = ["h2o", "tova", "ahakv", "snapkv", "h2o+local", "h2o+strided", "h2o+fixed", "scissorhands"]
+RULE_POLICIES = [
+    *("h2o", "tova", "ahakv", "snapkv", "h2o+local", "h2o+strided", "h2o+fixed", "scissorhands"),
+    "ahakv:kv_bits=4,group_size=8,residual=3",  # (quantized slots: read dequantized, exact within the residual)
+]
 
 
 @pytest.mark.parametrize("policy", RULE_POLICIES)
@@ -268,7 +271,7 @@ def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids,
         results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
     # (While a row's padding is held, the victim alone, by the loop where it ranks; once it is gone, whole steps.
     # Scissorhands counts each row's tokens: a padded row keeps fewer, its empty slots stay.)
-    rule = REGISTRY[policy](12).rule
+    rule = REGISTRY[policy.split(":")[0]](12).rule
     marks = isinstance(rule, LowMarks)
     steps = calls["_decode_marks" if marks else "_decode_rule"]
     assert len(steps) >= 3 * (0 if padded and marks else 20 if padded else 29)
