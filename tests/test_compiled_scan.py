@@ -248,27 +248,34 @@ RULE_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("policy", RULE_POLICIES)
-@pytest.mark.parametrize("padded", [False, True])
-def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids, monkeypatch, policy, padded) -> None:
-    """Prompt, then decode steps one token at a time: the same tokens and the same held positions with the loops
-    (each step's scores and victim in one call; while padding is held, the victim alone where pooling or a pattern
-    ranks) and without them."""
-    calls = {"_decode_rule": [], "_decode_marks": [], "_victims": []}
-    for name, seen in calls.items():
-        monkeypatch.setattr(compiled, name, _counted(getattr(compiled, name), seen))
+def _generates_alike(model, make_ids, monkeypatch, policy: str, padded: bool) -> None:
+    """A prompt (its second row left-padded, if ``padded``), then 29 decode steps: the same tokens and the same held
+    positions with the compiled loops and without them."""
     ids = make_ids(2, 8 if padded else 40)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0 if padded else 1
     results = []
     for enabled in (True, False):
         monkeypatch.setattr(compiled, "ENABLED", enabled)
-        cache = kvsieve.make_cache(llama_gqa, policy, 12)
+        cache = kvsieve.make_cache(model, policy, 12)
         with torch.inference_mode():
-            out = llama_gqa.generate(
+            out = model.generate(
                 ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0
             )
         results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(map(torch.equal, results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("policy", RULE_POLICIES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids, monkeypatch, policy, padded) -> None:
+    """Decode steps with the loops (each step's scores and victim in one call; while padding is held, the victim alone
+    where pooling or a pattern ranks) give what they give without them."""
+    calls = {"_decode_rule": [], "_decode_marks": [], "_victims": []}
+    for name, seen in calls.items():
+        monkeypatch.setattr(compiled, name, _counted(getattr(compiled, name), seen))
+    _generates_alike(llama_gqa, make_ids, monkeypatch, policy, padded)
     # (While a row's padding is held, the victim alone, by the loop where it ranks; once it is gone, whole steps.
     # Scissorhands counts each row's tokens: a padded row keeps fewer, its empty slots stay.)
     rule = REGISTRY[policy.split(":")[0]](12).rule
@@ -277,8 +284,6 @@ def test_generation_decodes_the_same_with_the_compiled_step(llama_gqa, make_ids,
     assert len(steps) >= 3 * (0 if padded and marks else 20 if padded else 29)
     ranks = isinstance(rule, ScoreRule) and bool(rule.pool or rule.kept.keep)
     assert bool(calls["_victims"]) == (padded and ranks)
-    assert torch.equal(results[0][0], results[1][0])
-    assert all(map(torch.equal, results[0][1], results[1][1]))
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -287,18 +292,5 @@ def test_generation_decodes_the_same_with_the_compiled_fixed_priority_victim(lla
     by the policy's priorities in torch."""
     calls = []
     monkeypatch.setattr(compiled, "_fixed_victims", _counted(compiled._fixed_victims, calls))
-    ids = make_ids(2, 8 if padded else 40)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0 if padded else 1
-    results = []
-    for enabled in (True, False):
-        monkeypatch.setattr(compiled, "ENABLED", enabled)
-        cache = kvsieve.make_cache(llama_gqa, "knorm:recent=4", 12)
-        with torch.inference_mode():
-            out = llama_gqa.generate(
-                ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0
-            )
-        results.append((out, [cache.positions(i).sort(dim=-1).values for i in range(3)]))
+    _generates_alike(llama_gqa, make_ids, monkeypatch, "knorm:recent=4", padded)
     assert len(calls) >= 3 * (20 if padded else 29)
-    assert torch.equal(results[0][0], results[1][0])
-    assert all(map(torch.equal, results[0][1], results[1][1]))
