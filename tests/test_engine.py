@@ -12,6 +12,7 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, T5Config, T5ForC
 import kvsieve
 from kvsieve.engine import layer as layer_module
 from kvsieve.engine.scan import MAX_RUN, scan
+from kvsieve.engine.storage import expand_index
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import REGISTRY, Slots, get_policy
 from kvsieve.policies.base import SinkWindow
@@ -113,6 +114,32 @@ def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, ma
     cache = kvsieve.make_cache(gemma3, "h2o", 9)
     stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask)
     assert len(cache.layers) > 1 and len(calls) == 6  # the prompt, then each token: once for all layers
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+def test_a_shared_victim_is_expanded_once_for_all_layers(llama_gqa, stream, make_ids, monkeypatch, policy) -> None:
+    """The slot a positional group's layers all evicted is expanded over the keys' head dimension once per decode
+    step (the next token is written into it), by the first layer; a policy whose layers choose alone expands its
+    own. The kept positions are those of every layer expanding alone."""
+    calls = []
+
+    def counted(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        calls.append(t.dim())
+        return expand_index(index, t)
+
+    steps, kept = 6, []
+    for shared in (True, False):
+        cache = kvsieve.make_cache(llama_gqa, policy, 9)
+        if not shared:
+            cache.memo.derive = lambda what, source, make: make()
+        stream(llama_gqa, cache, make_ids(2, 20), steps)
+        kept.append([cache.positions(i).sort(dim=-1).values for i in range(len(cache.layers))])
+    assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
+    monkeypatch.setattr(layer_module, "expand_index", counted)
+    cache = kvsieve.make_cache(llama_gqa, policy, 9)
+    stream(llama_gqa, cache, make_ids(2, 20), steps)
+    expansions = calls.count(4)  # (positions are 3-D: their index is the victim itself)
+    assert expansions == (steps - 1) * (1 if policy == "streaming_llm" else len(cache.layers))
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from kvsieve.engine.slot_attention import (
     fused_attention,
     observed_attention,
 )
-from kvsieve.engine.storage import SlotStore
+from kvsieve.engine.storage import SlotStore, expand_index
 from kvsieve.engine.stream import chunk_positions, plan_chunks
 from kvsieve.policies import Policy, Slots
 from kvsieve.policies.base import demote
@@ -421,7 +421,13 @@ class SieveLayer(CacheLayerMixin):
         store.may_hold_padding |= chunk.padding is not None
         keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
         start = store.append(
-            keys, chunk.values, new_pos, policy.initial_state(keys, new_pos), self.newest, chunk.padding is not None
+            keys,
+            chunk.values,
+            new_pos,
+            policy.initial_state(keys, new_pos),
+            self.newest,
+            chunk.padding is not None,
+            self._expand_stale,
         )
         slots = store.view(self.newest)
         keys, values, query, exact = slots.keys, slots.values, chunk.query, None
@@ -490,6 +496,11 @@ class SieveLayer(CacheLayerMixin):
             query, keys, values, args.scaling, lambda logits: compiled_decode(self.policy.rule, logits, slots, evict)
         )
         return out, victims if evict and victims is not None else None
+
+    def _expand_stale(self, stale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The stale slots expanded over slot tensor ``t``'s trailing dimensions; a victim the layers of a positional
+        group share (:meth:`shared_decision`) is expanded once for all of them."""
+        return self.memo.derive(("stale", t.shape[3:]), stale, lambda: expand_index(stale, t))
 
     def _rolled_query(
         self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int

@@ -137,6 +137,7 @@ class StepMemo:
 
     def __init__(self) -> None:
         self._made: dict[Hashable, tuple[Hashable, Any]] = {}
+        self._derived: dict[Hashable, tuple[object, Any]] = {}
         self._decisions: dict[tuple[Hashable, Hashable], list[Any]] = {}  # (group, round) → [decision, takers left]
 
     def share(self, what: Hashable, stamp: Hashable, make: Callable[[], T]) -> T:
@@ -145,6 +146,15 @@ class StepMemo:
         made = self._made.get(what)
         if made is None or made[0] != stamp:
             made = self._made[what] = (stamp, make())
+        return made[1]
+
+    def derive(self, what: Hashable, source: object, make: Callable[[], T]) -> T:
+        """``make()``, or the value of ``what`` that another layer already made from the very object ``source`` (a
+        decision the layers share: :meth:`decide`). The latest of each ``what`` is kept with its source, which it
+        therefore keeps alive: no later object can be taken for it."""
+        made = self._derived.get(what)
+        if made is None or made[0] is not source:
+            made = self._derived[what] = (source, make())
         return made[1]
 
     def decide(self, group: Hashable | None, round_: Hashable, choose: Callable[[], T], members: int) -> T:
@@ -164,4 +174,5 @@ class StepMemo:
 
     def clear(self) -> None:
         self._made.clear()
+        self._derived.clear()
         self._decisions.clear()

@@ -88,7 +88,10 @@ class Plain:
         return {"keys": keys, "values": values}
 
     def decode(self, kv: dict[str, torch.Tensor], n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv["keys"][:, :, :n], kv["values"][:, :, :n]
+        keys, values = kv["keys"], kv["values"]
+        if n == keys.shape[2]:  # (every slot: a decode step at the budget reads the buffers as they are)
+            return keys, values
+        return keys[:, :, :n], values[:, :, :n]
 
     def head_dim(self, kv: dict[str, torch.Tensor]) -> int:
         return kv["keys"].shape[-1]

@@ -19,6 +19,8 @@ from kvsieve.policies import Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
 StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Expand = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``expand(index, t)``: a slot index ``[B, H, k]`` expanded over the trailing dimensions of slot tensor ``t``."""
 
 
 @dataclass
@@ -136,12 +138,14 @@ class SlotStore:
         initial: dict[str, torch.Tensor],
         newest: torch.Tensor | None = None,
         padded: bool = False,
+        expand: Expand | None = None,
     ) -> int | None:
         """Store ``q`` new tokens (``keys``/``values`` ``[B, H, q, D]``, ``positions`` ``[B, H, q]``, ``initial``
         state; ``padded``: some may be padding): a single token takes the stale slot (None is returned), else they go
         at the end (the slot of the first is returned). Quantized slots: the slots in use are then decoded for the
         step (:attr:`step`); a single token is the step's only query, so its slots are decoded as it reads them
-        (``newest``: each row's newest position after it, ``[B]``)."""
+        (``newest``: each row's newest position after it, ``[B]``). ``expand``: how the stale slots are expanded over
+        a slot tensor's trailing dimensions (default :func:`expand_index`)."""
         stale, ring = self.stale, self.residual
         if stale is None:
             self.reserve(self.used + keys.shape[2])
@@ -170,7 +174,7 @@ class SlotStore:
         start = None if stale is not None else self.used
         if stale is None:
             self.used += keys.shape[2]
-        _put(pairs, stale, start, self.used)
+        _put(pairs, stale, start, self.used, expand)
         self.stale = None
         if both is not None:
             decoded, exact, pos = self.codec.decode_both(self.kv, self.used, self.dtype), None, self.positions
@@ -179,7 +183,7 @@ class SlotStore:
                 ring.restore_exact(decoded, pos[:, :, : self.used], newest)  # (the tokens without codes among them)
             elif ring is not None:  # exact: the ring before this step's tokens, and the tokens themselves
                 exact = ring.read(pos[:, :, : self.used])
-                _put([(exact, both)], stale, start, self.used)
+                _put([(exact, both)], stale, start, self.used, expand)
                 ring.write(both, positions)
                 ring.coded = torch.maximum(ring.coded, past(positions))  # (coded above)
             self.step = StepKV(decoded, exact)
@@ -349,11 +353,11 @@ def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:
 
 def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tensor:
     out = t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:]))
-    out[:, :, : index.shape[2]] = t.gather(2, _state_index(index, t))
+    out[:, :, : index.shape[2]] = t.gather(2, expand_index(index, t))
     return out
 
 
-def _state_index(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def expand_index(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``index`` ``[B, H, k]`` expanded over the trailing dimensions of the slot tensor ``t``."""
     if t.dim() == 3:
         return index
@@ -361,21 +365,25 @@ def _state_index(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _put(
-    pairs: Iterable[tuple[torch.Tensor, torch.Tensor | int]], stale: torch.Tensor | None, start: int | None, end: int
+    pairs: Iterable[tuple[torch.Tensor, torch.Tensor | int]],
+    stale: torch.Tensor | None,
+    start: int | None,
+    end: int,
+    expand: Expand | None = None,
 ) -> None:
     """In place: write new tokens' entries into each ``(slot tensor, entries)`` pair: one token per (row, head) into
-    slot ``stale[b, h, 0]``, or several into slots ``start:end``."""
+    slot ``stale[b, h, 0]`` (expanded by ``expand``), or several into slots ``start:end``."""
     index = {}  # (the stale slots expanded once per shape of slot tensor: keys and values share theirs)
     for t, new in pairs:
         if stale is None:
             t[:, :, start:end] = new
             continue
         if t.shape[3:] not in index:
-            index[t.shape[3:]] = _state_index(stale, t)
+            index[t.shape[3:]] = (expand or expand_index)(stale, t)
         t.scatter_(2, index[t.shape[3:]], new)
 
 
 def _move_slot(tensors: Iterable[torch.Tensor], src: int, dst: torch.Tensor) -> None:
     """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h, 0]`` of every slot tensor."""
     for t in tensors:
-        t.scatter_(2, _state_index(dst, t), t[:, :, src : src + 1].clone())  # the source must not alias the destination
+        t.scatter_(2, expand_index(dst, t), t[:, :, src : src + 1].clone())  # the source must not alias the destination
