@@ -437,14 +437,14 @@ def decodes_by_rule(rule: ScanRule | None, device: torch.device) -> bool:
 
 
 def compiled_decode(
-    rule: ScoreRule | LowMarks, logits: torch.Tensor, slots: Slots, evict: bool
+    rule: ScoreRule | LowMarks, logits: torch.Tensor, slots: Slots, evict: bool, victims: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's observation and choice under ``rule`` (where :func:`decodes_by_rule`): ``logits``
     ``[B, H, G, N]`` of each row's one query over the slots in use (each holding a real token; the query's position
     is the newest) → its probabilities ``[B, H, G, N]`` (torch's softmax), and, in one compiled call, the policy's
-    state updated and, under a ``ScoreRule``, the victim per (row, head) ``[B, H, 1]`` (meaningful when one slot
-    goes, ``evict``; None under ``LowMarks``, whose evictions the policy chooses). A ``ScoreRule``'s score adds the
-    softmax of the logits times its ``logit_scale`` where it has one."""
+    state updated and, under a ``ScoreRule``, the victim per (row, head) written into ``victims`` ``[B, H, 1]``
+    (int64; when one slot goes, ``evict``) and returned (None under ``LowMarks``, whose evictions the policy
+    chooses). A ``ScoreRule``'s score adds the softmax of the logits times its ``logit_scale`` where it has one."""
     probs = logits.softmax(dim=-1)
     pos, last = slots.pos.numpy(), slots.last.numpy()
     if isinstance(rule, LowMarks):
@@ -453,20 +453,19 @@ def compiled_decode(
     observed = probs
     if rule.logit_scale is not None:
         observed = (logits * rule.logit_scale(slots.last[:, None])[:, 0, None, None, None]).softmax(dim=-1)
-    victims = np.zeros((*logits.shape[:2], 1), dtype=np.int64)
     _decode_rule(
         observed.numpy(),
         pos,
         last,
         slots.state["score"].numpy(),
-        victims,
+        victims.numpy(),
         evict,
         rule.accumulate,
         _fields(rule.kept),
         rule.across_heads,
         rule.pool,
     )
-    return probs, torch.from_numpy(victims)
+    return probs, victims
 
 
 def compiled_victims(rule: ScanRule | None, slots: Slots, padded: bool) -> torch.Tensor | None:

@@ -105,6 +105,7 @@ class SieveLayer(CacheLayerMixin):
         self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
         self.recording: Recording | None = None
         self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
+        self.victims: torch.Tensor | None = None  # [B, H, 1]: where compiled decode steps write their victims
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -492,15 +493,26 @@ class SieveLayer(CacheLayerMixin):
             return None
         used = self.store.used
         evict = self.n_keep(used) == used - 1
-        out, victims = decided_attention(
-            query, keys, values, args.scaling, lambda logits: compiled_decode(self.policy.rule, logits, slots, evict)
+        victims = self.victims
+        if victims is None or victims.shape[:2] != keys.shape[:2]:
+            # (one buffer, rewritten at every step: the stale slot it becomes is expanded once, see _expand_stale)
+            victims = self.victims = torch.zeros((*keys.shape[:2], 1), dtype=torch.long)
+        out, ruled = decided_attention(
+            query,
+            keys,
+            values,
+            args.scaling,
+            lambda logits: compiled_decode(self.policy.rule, logits, slots, evict, victims),
         )
-        return out, victims if evict and victims is not None else None
+        return out, victims if evict and ruled is not None else None
 
     def _expand_stale(self, stale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The stale slots expanded over slot tensor ``t``'s trailing dimensions; a victim the layers of a positional
-        group share (:meth:`shared_decision`) is expanded once for all of them."""
-        return self.memo.derive(("stale", t.shape[3:]), stale, lambda: expand_index(stale, t))
+        group share (:meth:`shared_decision`) is expanded once for all of them, a layer's own buffer of victims
+        (:attr:`victims`) once for all steps."""
+        group = self.plan.groups[self.layer_idx]
+        owner = ("layer", self.layer_idx) if group is None else ("group", group)
+        return self.memo.derive(("stale", owner, t.shape[3:]), stale, lambda: expand_index(stale, t))
 
     def _rolled_query(
         self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int
