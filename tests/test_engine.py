@@ -116,13 +116,13 @@ def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, ma
     assert len(cache.layers) > 1 and len(calls) == 6  # the prompt, then each token: once for all layers
 
 
-@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o", "knorm"])
 def test_a_shared_victim_is_expanded_once_for_all_layers(llama_gqa, stream, make_ids, monkeypatch, policy) -> None:
     """The slot a positional group's layers all evicted is expanded over the keys' head dimension once per decode
-    step (the next token is written into it), by the first layer; a compiled decode step writes each layer's
-    victims into the same buffer every step, expanded once for all steps. The kept positions are those of every
-    layer expanding at every step."""
-    calls = []
+    step (the next token is written into it), by the first layer; a compiled decode step (h2o) or victim (knorm)
+    writes each layer's victims into the same buffer every step, expanded once for all steps. The kept positions
+    are those of every layer expanding at every step."""
+    calls, params = [], {"recent": 2} if policy == "knorm" else {}
 
     def counted(index: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         calls.append(t.dim())
@@ -130,14 +130,14 @@ def test_a_shared_victim_is_expanded_once_for_all_layers(llama_gqa, stream, make
 
     steps, kept = 6, []
     for shared in (True, False):
-        cache = kvsieve.make_cache(llama_gqa, policy, 9)
+        cache = kvsieve.make_cache(llama_gqa, policy, 9, **params)
         if not shared:
             cache.memo.derive = lambda what, source, make: make()
         stream(llama_gqa, cache, make_ids(2, 20), steps)
         kept.append([cache.positions(i).sort(dim=-1).values for i in range(len(cache.layers))])
     assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
     monkeypatch.setattr(layer_module, "expand_index", counted)
-    cache = kvsieve.make_cache(llama_gqa, policy, 9)
+    cache = kvsieve.make_cache(llama_gqa, policy, 9, **params)
     stream(llama_gqa, cache, make_ids(2, 20), steps)
     expansions = calls.count(4)  # (positions are 3-D: their index is the victim itself)
     assert expansions == (steps - 1 if policy == "streaming_llm" else len(cache.layers))

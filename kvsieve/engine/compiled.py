@@ -468,20 +468,22 @@ def compiled_decode(
     return probs, victims
 
 
-def compiled_victims(rule: ScanRule | None, slots: Slots, padded: bool) -> torch.Tensor | None:
+def compiled_victims(
+    rule: ScanRule | None, slots: Slots, padded: bool, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """A step's one victim per (row, head) ``[B, H, 1]`` by a :class:`~kvsieve.policies.base.ScoreRule`'s or a
     :class:`~kvsieve.policies.base.FixedPriority`'s ``keep_scores`` in one compiled call (``slots``: the slots in use,
     each holding a token or, if ``padded``, maybe padding, which goes first), the slot ``argmin`` picks from the
     policy's priorities; None when the loop does not apply (no such rule, no numba, not on CPU) or would not pay (a
     score without pooling or a pattern to rank: the policy's priorities are then one or two ops, cheaper than the
-    call) and the engine asks the policy."""
+    call) and the engine asks the policy. The victims are written into ``out`` (int64, on CPU) when given."""
     fixed = isinstance(rule, FixedPriority)
     if not ENABLED or not (fixed or (isinstance(rule, ScoreRule) and (rule.pool or rule.kept.keep))):
         return None
     if slots.pos.device.type != "cpu":
         return None
     pos = slots.pos
-    out = torch.empty((*pos.shape[:2], 1), dtype=torch.long)
+    out = torch.empty((*pos.shape[:2], 1), dtype=torch.long) if out is None else out
     if fixed:
         _fixed_victims(
             slots.state["priority"].numpy(), pos.numpy(), padded, slots.last.numpy(), rule.recent, out.numpy()

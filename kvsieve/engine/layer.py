@@ -105,7 +105,7 @@ class SieveLayer(CacheLayerMixin):
         self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
         self.recording: Recording | None = None
         self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
-        self.victims: torch.Tensor | None = None  # [B, H, 1]: where compiled decode steps write their victims
+        self.victims: torch.Tensor | None = None  # [B, H, 1]: where compiled steps write victims (_victims_buffer)
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -493,10 +493,7 @@ class SieveLayer(CacheLayerMixin):
             return None
         used = self.store.used
         evict = self.n_keep(used) == used - 1
-        victims = self.victims
-        if victims is None or victims.shape[:2] != keys.shape[:2]:
-            # (one buffer, rewritten at every step: the stale slot it becomes is expanded once, see _expand_stale)
-            victims = self.victims = torch.zeros((*keys.shape[:2], 1), dtype=torch.long)
+        victims = self._victims_buffer(keys)
         out, ruled = decided_attention(
             query,
             keys,
@@ -505,6 +502,16 @@ class SieveLayer(CacheLayerMixin):
             lambda logits: compiled_decode(self.policy.rule, logits, slots, evict, victims),
         )
         return out, victims if evict and ruled is not None else None
+
+    def _victims_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """The layer's buffer of victims ``[B, H, 1]`` (``like``: ``[B, H, ...]``; int64, on CPU), where a compiled
+        step writes them: rewritten at every step, so the stale slot it becomes is expanded once
+        (:meth:`_expand_stale`). Not for the decisions a positional group shares: each of its layers holds the victim
+        until its own next token is written."""
+        victims = self.victims
+        if victims is None or victims.shape[:2] != like.shape[:2]:
+            victims = self.victims = torch.zeros((*like.shape[:2], 1), dtype=torch.long)
+        return victims
 
     def _expand_stale(self, stale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The stale slots expanded over slot tensor ``t``'s trailing dimensions; a victim the layers of a positional
@@ -585,7 +592,8 @@ class SieveLayer(CacheLayerMixin):
         """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
         kept ``[B, H, target]``, in slot order."""
         if self.store.used - target == 1:
-            victims = compiled_victims(self.policy.rule, slots, self.store.may_hold_padding)
+            out = self._victims_buffer(slots.pos) if self.plan.groups[self.layer_idx] is None else None
+            victims = compiled_victims(self.policy.rule, slots, self.store.may_hold_padding, out)
             return self._scores(slots).argmin(dim=-1, keepdim=True) if victims is None else victims
         scores = self._scores(slots)
         return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
