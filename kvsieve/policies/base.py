@@ -89,15 +89,16 @@ class Slots:
     """``[B, H, N, D]`` cached values, read-only."""
 
     def prefix(self, n: int) -> Slots:
-        """The first ``n`` slots (views; ``self`` when that is all of them)."""
+        """The first ``n`` slots (views; ``self`` when that is all of them; keys and values of ``n`` slots as they
+        are: a store's view reads them decoded, already cut to the slots in use)."""
         if n == self.pos.shape[-1]:
             return self
         return Slots(
             pos=self.pos[:, :, :n],
             state={k: v[:, :, :n] for k, v in self.state.items()},
             last=self.last,
-            keys=self.keys[:, :, :n],
-            values=self.values[:, :, :n],
+            keys=self.keys if self.keys.shape[2] == n else self.keys[:, :, :n],
+            values=self.values if self.values.shape[2] == n else self.values[:, :, :n],
         )
 
     @property
