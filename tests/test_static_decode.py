@@ -4,6 +4,8 @@ What a CUDA graph or ``torch.compile`` of the decode step needs (issue 20, targe
 cache holds its budget, a step of one token per row neither reads a tensor's value on the host (``.item()``,
 ``bool(t)``, ``.tolist()``, ``nonzero``: each a device→host sync on a GPU) nor allocates or resizes slot buffers
 (their storage stays where it was), with plain or quantized slots. A probe records every such call the step makes.
+Along the path a GPU takes (the compiled CPU loops off), two steps at the budget also dispatch the same ops on the same
+shapes, and keep every slot buffer (positions and policy state too) where it was: a captured graph replays them.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvsieve
+from kvsieve.engine import compiled
 from kvsieve.policies import REGISTRY
 
 SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"})
@@ -72,3 +76,99 @@ def test_decode_step_is_static(tiny_models, model_name: str, policy: str, quant:
                 token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     assert probe.calls == {}, f"{policy}: host reads in a decode step: {dict(probe.calls)}"
     assert _buffers(cache) == buffers
+
+
+HOST_SYNCS = frozenset(
+    {
+        "aten._local_scalar_dense.default",  # .item(), bool(t), int(t)
+        "aten.is_nonzero.default",  # bool(t) of a one-element tensor
+        "aten.nonzero.default",  # data-dependent shapes
+        "aten.masked_select.default",
+        "aten.equal.default",
+    }
+)
+EVERY_STEP = [f"{name}:drop=1" if name == "scissorhands" else name for name in BOUNDED]
+"""Every bounded policy, evicting one token per decode step (scissorhands drops ``m`` at once by default)."""
+BUDGET = 12
+
+
+class Recorder(TorchDispatchMode):
+    """Every op dispatched, with the shapes of its tensor arguments; the host syncs among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[Any, ...]]] = []
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = str(func)
+        shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+        self.ops.append((name, shapes))
+        if name in HOST_SYNCS:
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _all_buffers(cache: kvsieve.SieveCache) -> list[int]:
+    """The data pointers of every layer's slot buffers: keys, values, positions and policy state."""
+    stores = [layer.store for layer in cache.layers]
+    return [t.data_ptr() for s in stores for t in (*s.kv.values(), s.positions, *s.state.values())]
+
+
+def _decode_steps(
+    model: torch.nn.Module, policy: str, ids: torch.Tensor, steps: int
+) -> tuple[list[Recorder], list[int], kvsieve.SieveCache]:
+    """``steps`` recorded decode steps of ``policy`` after the prompt ``ids`` and three more steps, the data pointers
+    of the slot buffers before them, and the cache."""
+    cache = kvsieve.make_cache(model, policy, BUDGET)
+    recorders = []
+    with torch.inference_mode():
+        token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
+        for _ in range(3):  # (past the first decode steps, whose evictions may still change the slots' layout)
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        buffers = _all_buffers(cache)
+        for _ in range(steps):
+            recorders.append(Recorder())
+            with recorders[-1]:
+                token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+    return recorders, buffers, cache
+
+
+@pytest.mark.parametrize("policy", EVERY_STEP)
+def test_a_decode_step_at_the_budget_repeats_the_same_ops_with_no_host_sync(
+    policy, llama_gqa, make_ids, monkeypatch
+) -> None:
+    monkeypatch.setattr(compiled, "ENABLED", False)  # (the path of a GPU: the numba loops are CPU-only)
+    steps, buffers, cache = _decode_steps(llama_gqa, policy, make_ids(2, 30), 2)
+    assert steps[0].syncs == [], f"{policy}: host syncs in a decode step: {sorted(set(steps[0].syncs))}"
+    assert steps[0].ops == steps[1].ops, f"{policy}: two decode steps at the budget dispatch different ops"
+    assert _all_buffers(cache) == buffers, f"{policy}: the slot buffers moved"
+    assert all(layer.store.used == BUDGET + 1 for layer in cache.layers)
+
+
+def test_scissorhands_bulk_drops_repeat_every_m_steps_with_no_host_sync(llama_gqa, make_ids, monkeypatch) -> None:
+    """Its cache goes ``B+1-m, ..., B+1`` slots (``m`` dropped at once): a cycle of ``m`` step shapes, each the same
+    ops whenever it comes back, in the same buffers."""
+    monkeypatch.setattr(compiled, "ENABLED", False)
+    drop = 3
+    steps, buffers, cache = _decode_steps(llama_gqa, f"scissorhands:drop={drop}", make_ids(2, 30), 2 * drop)
+    assert [s.syncs for s in steps] == [[]] * len(steps)
+    assert [s.ops for s in steps[:drop]] == [s.ops for s in steps[drop:]]
+    assert steps[0].ops != steps[1].ops
+    assert _all_buffers(cache) == buffers
+
+
+def test_the_recorder_sees_a_host_sync_and_a_new_shape(llama_gqa, make_ids) -> None:
+    """The check above can fail: a ``bool`` of a tensor is a sync, and a growing cache changes its ops' shapes."""
+    cache = kvsieve.make_cache(llama_gqa, "full", None)
+    steps = []
+    with torch.inference_mode():
+        token = llama_gqa(make_ids(2, 10), cache=cache).logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            recorder = Recorder()
+            with recorder:
+                token = llama_gqa(token, cache=cache).logits[:, -1:].argmax(-1)
+                bool(token.any())
+            steps.append(recorder)
+    assert steps[0].syncs
+    assert steps[0].ops != steps[1].ops

@@ -352,8 +352,12 @@ def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:
 
 
 def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tensor:
-    out = t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:]))
-    out[:, :, : index.shape[2]] = t.gather(2, expand_index(index, t))
+    """The slots ``index`` of ``t`` first, in a buffer of ``capacity`` slots: ``t`` itself when it has that many (the
+    buffers stay where they are from step to step, as CUDA graphs need), else a new one (a prompt-sized buffer is
+    freed)."""
+    kept = t.gather(2, expand_index(index, t))
+    out = t if t.shape[2] == capacity else t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:]))
+    out[:, :, : index.shape[2]] = kept
     return out
 
 
