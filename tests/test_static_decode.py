@@ -80,7 +80,8 @@ def test_decode_step_is_static(tiny_models, model_name: str, policy: str, quant:
 
 HOST_SYNCS = frozenset(
     {
-        "aten._local_scalar_dense.default",  # .item(), bool(t), int(t)
+        "aten.item.default",  # .item(), int(t), float(t)
+        "aten._local_scalar_dense.default",
         "aten.is_nonzero.default",  # bool(t) of a one-element tensor
         "aten.nonzero.default",  # data-dependent shapes
         "aten.masked_select.default",
@@ -169,6 +170,36 @@ def test_the_recorder_sees_a_host_sync_and_a_new_shape(llama_gqa, make_ids) -> N
             with recorder:
                 token = llama_gqa(token, cache=cache).logits[:, -1:].argmax(-1)
                 bool(token.any())
+                int(token.max())
             steps.append(recorder)
-    assert steps[0].syncs
+    assert steps[0].syncs == ["aten.is_nonzero.default", "aten.item.default"]
     assert steps[0].ops != steps[1].ops
+
+
+ROW_COUNTING = sorted(name for name in BOUNDED if REGISTRY[name].counts_rows)
+"""Policies whose target depends on each row's own count of tokens: they read the counts while padding is held."""
+
+
+@pytest.mark.parametrize("policy", [name for name in BOUNDED if name not in ROW_COUNTING])
+def test_held_padding_is_counted_once_when_it_may_be_gone(llama_gqa, make_ids, policy) -> None:
+    """A left-padded row keeps padding slots after its prompt; they go one per decode step, and whether any is left
+    is read on the host once, when the most any (row, head) held may be gone — not at every layer and step. The
+    other reads are the forward pass's two checks of its padding mask."""
+    cache = kvsieve.make_cache(llama_gqa, policy, BUDGET)
+    ids = make_ids(2, 30)
+    mask = torch.ones_like(ids)
+    mask[1, :26] = 0  # (row 1: 4 real tokens, so 8 of its 12 slots hold padding after the prompt)
+    reads = []
+    with torch.no_grad():
+        token = llama_gqa(ids, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+        for _ in range(12):
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            probe = SyncProbe()
+            with probe:
+                token = llama_gqa(token, attention_mask=mask, cache=cache).logits[:, -1:].argmax(-1)
+            reads.append(sum(probe.calls.values()))
+    layers = len(cache.layers)
+    assert sorted(set(reads)) == [2, 2 + layers], reads
+    assert reads.count(2 + layers) == 1, reads
+    assert not any(layer.store.may_hold_padding for layer in cache.layers)
+    assert all(bool((layer.held_positions() >= 0).all()) for layer in cache.layers)

@@ -551,8 +551,9 @@ class SieveLayer(CacheLayerMixin):
             )
             if store.used - target == 1:
                 store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
-            else:
-                store.keep(chosen)
+                store.settle(single=True)
+                return
+            store.keep(chosen)
         store.settle()
 
     def shared_decision(self, round_: Hashable, choose: Callable[[], T]) -> T:

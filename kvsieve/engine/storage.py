@@ -65,6 +65,10 @@ class SlotStore:
     written into it (no copy of the cache)."""
     may_hold_padding: bool = False
     """Whether slots in use may hold padding (position -1)."""
+    padding_left: int = 0
+    """While padding may be held: the most padding slots a (row, head) held when last counted, less the single
+    evictions since (a lower bound of the most any holds now, unless rows were removed or reordered since, which only
+    makes it count sooner; see :meth:`settle`)."""
     codec: Codec = PLAIN
     residual: Residual | None = None
     """Quantized slots: exact copies of each row's newest tokens."""
@@ -242,10 +246,17 @@ class SlotStore:
         self._map(lambda t: _gathered(t, chosen, int(self.limit)))
         self.used = chosen.shape[2]
 
-    def settle(self) -> None:
-        """After an eviction: whether padding may still be held."""
-        if self.may_hold_padding:
-            self.may_hold_padding = bool((self.positions[:, :, : self.used] < 0).any())
+    def settle(self, single: bool = False) -> None:
+        """After an eviction (``single``: of one slot per (row, head)): whether padding may still be held. Counting it
+        reads a tensor on the host (a device sync), so it is counted only when it may be gone: a (row, head) that
+        held ``k`` padding slots holds one at least until ``k`` single evictions are over (:attr:`padding_left`)."""
+        if not self.may_hold_padding:
+            return
+        if single and self.padding_left > 1:
+            self.padding_left -= 1
+            return
+        self.padding_left = int((self.positions[:, :, : self.used] < 0).sum(dim=-1).max())
+        self.may_hold_padding = self.padding_left > 0
 
     def held_positions(self) -> torch.Tensor:
         """``[B, H, tokens held]`` positions of the held tokens, in slot order (-1 = padding)."""
