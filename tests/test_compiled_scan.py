@@ -9,6 +9,7 @@ import torch
 
 import kvsieve
 from kvsieve.engine import compiled
+from kvsieve.engine.layer import SieveLayer
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV
 from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScoreRule, Slots, demote
@@ -294,3 +295,49 @@ def test_generation_decodes_the_same_with_the_compiled_fixed_priority_victim(lla
     monkeypatch.setattr(compiled, "_fixed_victims", _counted(compiled._fixed_victims, calls))
     _generates_alike(llama_gqa, make_ids, monkeypatch, "knorm:recent=4", padded)
     assert len(calls) >= 3 * (20 if padded else 29)
+
+
+def test_the_position_order_is_repaired_after_a_decode_step_and_sorted_otherwise() -> None:
+    """A pooling rule's compiled decode step keeps the slots' position order from step to step: the order of the
+    step before, its victim's slot (now the newest token) moved last, is the position order; a buffer that is not
+    the order of the step before (new, stale, another permutation, out of range) is sorted again."""
+    gen = torch.Generator().manual_seed(0)
+    n, last = 40, 99
+    pos = torch.randperm(100, generator=gen)[:n].view(1, 1, n)
+    pos[0, 0, 7] = last  # (the newest token)
+    ranked = torch.full((n,), -1)
+
+    def order(repair: bool) -> torch.Tensor:
+        compiled._position_order(pos.numpy(), 0, 0, int(pos.max()), ranked.numpy(), repair)
+        return ranked.clone()
+
+    assert torch.equal(order(True), pos[0, 0].argsort())  # (a new buffer: sorted)
+    for step in range(5):  # decode steps: the victim's slot takes the newest position
+        victim = int(torch.randint(n, (1,), generator=gen))
+        pos[0, 0, victim] = last + 1 + step
+        assert torch.equal(order(True), pos[0, 0].argsort())
+    swapped = ranked.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    for stale in (swapped, torch.arange(n), torch.full((n,), n)):
+        ranked.copy_(stale)
+        assert torch.equal(order(True), pos[0, 0].argsort())
+    ranked.copy_(swapped)
+    assert torch.equal(order(False), pos[0, 0].argsort())  # (no repair asked: sorted)
+
+
+def test_snapkv_decode_steps_keep_the_same_tokens_with_the_order_kept_or_sorted(
+    llama_gqa, make_ids, monkeypatch
+) -> None:
+    """Generation under snapkv (pooling in position order) holds the same positions whether each layer keeps its
+    position order between decode steps or sorts at every step."""
+    kept = []
+    for keep_order in (True, False):
+        if not keep_order:
+            monkeypatch.setattr(SieveLayer, "_ranked_buffer", lambda layer, pos: torch.full(pos.shape, -1))
+        cache = kvsieve.make_cache(llama_gqa, "snapkv", 12, window=4)
+        with torch.inference_mode():
+            token = llama_gqa(make_ids(2, 30), cache=cache).logits[:, -1:].argmax(-1)
+            for _ in range(12):
+                token = llama_gqa(token, cache=cache).logits[:, -1:].argmax(-1)
+        kept.append([cache.positions(i) for i in range(len(cache.layers))])
+    assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))

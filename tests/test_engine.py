@@ -15,6 +15,7 @@ from kvsieve.engine.scan import MAX_RUN, scan
 from kvsieve.engine.storage import expand_index
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import REGISTRY, Slots, get_policy
+from kvsieve.policies import ahakv as ahakv_module
 from kvsieve.policies.base import SinkWindow
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -141,6 +142,32 @@ def test_a_shared_victim_is_expanded_once_for_all_layers(llama_gqa, stream, make
     stream(llama_gqa, cache, make_ids(2, 20), steps)
     expansions = calls.count(4)  # (positions are 3-D: their index is the victim itself)
     assert expansions == (steps - 1 if policy == "streaming_llm" else len(cache.layers))
+
+
+def test_ahakv_step_gain_is_computed_once_per_decode_step(llama_gqa, stream, make_ids, monkeypatch) -> None:
+    """AhaKV's step-gain multiplier depends on the rows' newest positions and the budget alone: the layers of a
+    decode step (equal budgets: equal rules) share one, with the logits and kept positions of each layer computing
+    its own."""
+    calls = []
+    gain = ahakv_module.seen_gain
+
+    def counted(query_pos: torch.Tensor, budget: int) -> torch.Tensor:
+        calls.append(budget)
+        return gain(query_pos, budget)
+
+    monkeypatch.setattr(ahakv_module, "seen_gain", counted)
+    steps, runs = 6, []
+    for shared in (True, False):
+        calls.clear()
+        cache = kvsieve.make_cache(llama_gqa, "ahakv", 9)
+        if not shared:
+            cache.memo.derive = lambda what, source, make: make()
+        logits = stream(llama_gqa, cache, make_ids(2, 20), steps)
+        runs.append((logits, [cache.positions(i) for i in range(len(cache.layers))], len(calls)))
+    (logits, kept, once), (alone_logits, alone_kept, per_layer) = runs
+    assert torch.equal(logits, alone_logits)
+    assert all(torch.equal(a, b) for a, b in zip(kept, alone_kept, strict=True))
+    assert per_layer - once == steps * (len(cache.layers) - 1)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -122,20 +122,57 @@ def _pattern_kept(
                 rank[j] = lowest
             else:  # (positions: distinct)
                 rank[j] = p if (p + offset) % period < span else p - (last + 1)
-        bar = np.sort(rank)[max(0, n - free)]
+        nth = max(0, n - free)
+        bar = np.partition(rank, nth)[nth]  # (the nth lowest: a selection, not a sort)
         for j in range(n):
             kept[j] = kept[j] or (rank[j] > lowest and rank[j] >= bar)
 
 
 @_compiled
+def _position_order(pos: np.ndarray, b: int, h: int, last: int, ranked: np.ndarray, repair: bool) -> None:
+    """``ranked`` = the slots of row ``b``, head ``h`` in position order (empty slots first). With ``repair``,
+    ``ranked`` holds the order of the decode step before (whose victim's slot now holds the newest position,
+    ``last``): that order without the slot, the slot last, where this is the position order (checked: every slot
+    once, positions increasing); else, and for anything else it holds, a sort: O(n), not O(n log n), at a step."""
+    n = pos.shape[2]
+    if repair:
+        w, newest = 0, -1
+        for r in range(n):
+            j = ranked[r]
+            if j < 0 or j >= n:
+                break
+            if pos[b, h, j] == last:
+                newest = j
+            elif w < n - 1:
+                ranked[w] = j
+                w += 1
+        if w == n - 1 and newest >= 0:
+            ranked[w] = newest
+            ordered = True
+            for r in range(1, n):  # (strictly increasing: each slot once, as positions are distinct)
+                if pos[b, h, ranked[r]] <= pos[b, h, ranked[r - 1]]:
+                    ordered = False
+                    break
+            if ordered:
+                return
+    ranked[:] = np.argsort(pos[b, h])
+
+
+@_compiled
 def _pooled_victim(
-    score: np.ndarray, pos: np.ndarray, b: int, h: int, kept: np.ndarray, pool: int, order: np.ndarray
+    score: np.ndarray,
+    pos: np.ndarray,
+    b: int,
+    h: int,
+    kept: np.ndarray,
+    pool: int,
+    order: np.ndarray,
+    ranked: np.ndarray,
 ) -> int:
     """The slot of row ``b``, head ``h`` with the lowest maximum score over the ``pool`` held slots around it in
     position order (``kept`` slots count as ``-inf`` and are never the victim), the oldest of equal ones (``order``:
-    scratch)."""
+    scratch; ``ranked``: the slots in position order, :func:`_position_order`)."""
     n = pos.shape[2]
-    ranked = np.argsort(pos[b, h])  # (empty slots first: -inf)
     for r in range(n):
         j = ranked[r]
         order[r] = -np.inf if pos[b, h, j] < 0 or kept[j] else score[b, h, j]
@@ -166,11 +203,13 @@ def _victim(
     kept: np.ndarray,
     rank: np.ndarray,
     order: np.ndarray,
+    ranked: np.ndarray,
+    repair: bool = False,
 ) -> int:
     """The slot a :class:`~kvsieve.policies.base.ScoreRule` (``pattern``, ``pool``) evicts from row ``b``, head
     ``h`` when the newest position is ``last``: if ``padded``, the first slot holding padding (position -1: every
     slot holds a token or padding), else the lowest-scored (pooled) outside the pattern (``kept``, ``rank``,
-    ``order``: scratch)."""
+    ``order``: scratch; ``ranked``, ``repair``: the position order for pooling, see :func:`_position_order`)."""
     n = pos.shape[2]
     if padded:
         for j in range(n):
@@ -178,7 +217,8 @@ def _victim(
                 return j
     _pattern_kept(pos, b, h, last, pattern, kept, rank)
     if pool > 0:
-        return _pooled_victim(score, pos, b, h, kept, pool, order)
+        _position_order(pos, b, h, last, ranked, repair)
+        return _pooled_victim(score, pos, b, h, kept, pool, order, ranked)
     for j in range(n):  # (the first of equal scores)
         order[j] = np.inf if pos[b, h, j] < 0 or kept[j] else score[b, h, j]
     return np.argmin(order)
@@ -192,10 +232,11 @@ def _victims(
     n = pos.shape[2]
     kept = np.empty(n, dtype=np.bool_)
     rank = np.empty(n, dtype=np.int64)
+    ranked = np.empty(n, dtype=np.int64)
     order = np.empty(n, dtype=np.float64)
     for b in range(pos.shape[0]):
         for h in range(pos.shape[1]):
-            out[b, h, 0] = _victim(score, pos, padded, b, h, lasts[b], pattern, pool, kept, rank, order)
+            out[b, h, 0] = _victim(score, pos, padded, b, h, lasts[b], pattern, pool, kept, rank, order, ranked)
 
 
 @_compiled
@@ -250,11 +291,12 @@ def _decode_rule(
     pattern: tuple,
     across_heads: bool,
     pool: int,
+    ranked: np.ndarray,
 ) -> None:
     """A decode step under a :class:`~kvsieve.policies.base.ScoreRule` (as one token of :func:`_score_rule`):
     ``probs`` ``[B, H, G, N]``, each row's query's probabilities over the slots in use (all held: no padding),
     summed over the group in order into ``score`` (updated); ``victims`` ``[B, H, 1]`` filled when one slot goes
-    (``evict``)."""
+    (``evict``); ``ranked`` ``[B, H, N]``: the slots in position order at the step before, updated (pooling)."""
     bsz, heads, group, n = probs.shape
     total = np.zeros((heads, n), dtype=probs.dtype)
     order = np.empty(n, dtype=np.float64)
@@ -269,7 +311,9 @@ def _decode_rule(
         _add_scores(score, total, b, accumulate, across_heads)
         if evict:
             for h in range(heads):
-                victims[b, h, 0] = _victim(score, pos, False, b, h, lasts[b], pattern, pool, kept, rank, order)
+                victims[b, h, 0] = _victim(
+                    score, pos, False, b, h, lasts[b], pattern, pool, kept, rank, order, ranked[b, h], True
+                )
 
 
 @_compiled
@@ -323,6 +367,7 @@ def _score_rule(
     order = np.empty(n, dtype=np.float64)
     kept = np.empty(n, dtype=np.bool_)
     rank = np.empty(n, dtype=np.int64)
+    ranked = np.empty(n, dtype=np.int64)
     for t in range(c):
         held += 1
         for b in range(bsz):
@@ -344,7 +389,7 @@ def _score_rule(
                         victim = j
                         break
                 if victim < 0:
-                    victim = _victim(score, pos, False, b, h, last, pattern, pool, kept, rank, order)
+                    victim = _victim(score, pos, False, b, h, last, pattern, pool, kept, rank, order, ranked)
                 pos[b, h, victim] = -1
                 pads[b, h, victim] = False
         held = min(held, limit)
@@ -437,14 +482,23 @@ def decodes_by_rule(rule: ScanRule | None, device: torch.device) -> bool:
 
 
 def compiled_decode(
-    rule: ScoreRule | LowMarks, logits: torch.Tensor, slots: Slots, evict: bool, victims: torch.Tensor
+    rule: ScoreRule | LowMarks,
+    logits: torch.Tensor,
+    slots: Slots,
+    evict: bool,
+    victims: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    ranked: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode step's observation and choice under ``rule`` (where :func:`decodes_by_rule`): ``logits``
     ``[B, H, G, N]`` of each row's one query over the slots in use (each holding a real token; the query's position
     is the newest) → its probabilities ``[B, H, G, N]`` (torch's softmax), and, in one compiled call, the policy's
     state updated and, under a ``ScoreRule``, the victim per (row, head) written into ``victims`` ``[B, H, 1]``
     (int64; when one slot goes, ``evict``) and returned (None under ``LowMarks``, whose evictions the policy
-    chooses). A ``ScoreRule``'s score adds the softmax of the logits times its ``logit_scale`` where it has one."""
+    chooses). A ``ScoreRule``'s score adds the softmax of the logits times its ``logit_scale`` where it has one
+    (``scale``: its value ``[B]`` at the rows' newest positions, if already computed). A pooling rule ranks the slots
+    by position: ``ranked`` ``[B, H, N]`` (int64, on CPU), kept from step to step, holds that order, repaired in
+    O(N) where it is the order of the step before (anything else is sorted again)."""
     probs = logits.softmax(dim=-1)
     pos, last = slots.pos.numpy(), slots.last.numpy()
     if isinstance(rule, LowMarks):
@@ -452,7 +506,8 @@ def compiled_decode(
         return probs, None
     observed = probs
     if rule.logit_scale is not None:
-        observed = (logits * rule.logit_scale(slots.last[:, None])[:, 0, None, None, None]).softmax(dim=-1)
+        scale = rule.logit_scale(slots.last[:, None])[:, 0] if scale is None else scale
+        observed = (logits * scale[:, None, None, None]).softmax(dim=-1)
     _decode_rule(
         observed.numpy(),
         pos,
@@ -464,6 +519,7 @@ def compiled_decode(
         _fields(rule.kept),
         rule.across_heads,
         rule.pool,
+        (torch.full(pos.shape, -1) if ranked is None else ranked).numpy(),
     )
     return probs, victims
 

@@ -45,7 +45,7 @@ from kvsieve.engine.slot_attention import (
 from kvsieve.engine.storage import SlotStore, expand_index
 from kvsieve.engine.stream import chunk_positions, plan_chunks
 from kvsieve.policies import Policy, Slots
-from kvsieve.policies.base import demote
+from kvsieve.policies.base import ScoreRule, demote
 
 T = TypeVar("T")
 
@@ -106,6 +106,7 @@ class SieveLayer(CacheLayerMixin):
         self.recording: Recording | None = None
         self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
         self.victims: torch.Tensor | None = None  # [B, H, 1]: where compiled steps write victims (_victims_buffer)
+        self.ranked: torch.Tensor | None = None  # [B, H, N]: the slots in position order (_ranked_buffer)
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -491,15 +492,21 @@ class SieveLayer(CacheLayerMixin):
         chooses in torch."""
         if query.requires_grad or self.policy.observed_rows() == 0:
             return None
-        used = self.store.used
+        used, rule = self.store.used, self.policy.rule
         evict = self.n_keep(used) == used - 1
         victims = self._victims_buffer(keys)
+        scale = None
+        if isinstance(rule, ScoreRule) and rule.logit_scale is not None:  # (made once for the layers of equal rules)
+            scale = self.memo.derive(
+                ("logit_scale", rule.logit_scale), slots.last, lambda: rule.logit_scale(slots.last[:, None])[:, 0]
+            )
+        ranked = self._ranked_buffer(slots.pos) if isinstance(rule, ScoreRule) and rule.pool else None
         out, ruled = decided_attention(
             query,
             keys,
             values,
             args.scaling,
-            lambda logits: compiled_decode(self.policy.rule, logits, slots, evict, victims),
+            lambda logits: compiled_decode(rule, logits, slots, evict, victims, scale, ranked),
         )
         return out, victims if evict and ruled is not None else None
 
@@ -512,6 +519,14 @@ class SieveLayer(CacheLayerMixin):
         if victims is None or victims.shape[:2] != like.shape[:2]:
             victims = self.victims = torch.zeros((*like.shape[:2], 1), dtype=torch.long)
         return victims
+
+    def _ranked_buffer(self, pos: torch.Tensor) -> torch.Tensor:
+        """The layer's slots in position order ``[B, H, N]`` as a pooling rule's compiled decode step left them (int64,
+        on CPU; ``pos``: the positions of the slots in use), or, new, -1 (sorted at the first step)."""
+        ranked = self.ranked
+        if ranked is None or ranked.shape != pos.shape:
+            ranked = self.ranked = torch.full(pos.shape, -1, dtype=torch.long)
+        return ranked
 
     def _expand_stale(self, stale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The stale slots expanded over slot tensor ``t``'s trailing dimensions; a victim the layers of a positional

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +52,17 @@ def step_gain(count: torch.Tensor, budget: int) -> torch.Tensor:
 def seen_gain(query_pos: torch.Tensor, budget: int) -> torch.Tensor:
     """:func:`step_gain` of the rows at ``query_pos`` (the tokens they have ``seen``: their position + 1)."""
     return step_gain((query_pos + 1).float(), budget)
+
+
+@dataclass(frozen=True)
+class SeenGain:
+    """:func:`seen_gain` at a ``budget``, as a rule's ``logit_scale``: equal for equal budgets, so the layers of a
+    decode step compute it once (:meth:`~kvsieve.engine.plan.StepMemo.share`)."""
+
+    budget: int
+
+    def __call__(self, query_pos: torch.Tensor) -> torch.Tensor:
+        return seen_gain(query_pos, self.budget)
 
 
 def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torch.Tensor:
@@ -179,5 +189,5 @@ class AhaKV(Policy):
         sgs = p.sgs and p.sgs_decode
         if sgs and p.sgs_tokens == "kept":
             return None
-        scale = functools.partial(seen_gain, budget=self.budget) if sgs else None
+        scale = SeenGain(self.budget) if sgs else None
         return ScoreRule(accumulate=True, kept=Pattern.window(self.recent), logit_scale=scale)

@@ -181,7 +181,9 @@ class ScoreRule:
     where given), summed over its GQA group (and then over the layer's KV heads, ``across_heads``), are added to
     the ``score`` state (:data:`SCORE_STATE`; ``accumulate``) or replace it; the victim is the lowest-scored slot
     outside what ``kept`` keeps — with ``pool`` > 0, the lowest maximum of the scores over the ``pool`` held slots
-    around it in position order (the kept ones count as ``-inf``; SnapKV's pooling), the oldest of equal ones."""
+    around it in position order (the kept ones count as ``-inf``; SnapKV's pooling), the oldest of equal ones.
+    A ``logit_scale`` that compares equal for equal arguments (a frozen dataclass) is computed once per decode step
+    for all the layers that hold an equal one."""
 
     accumulate: bool
     kept: Pattern = Pattern(keep=0)
