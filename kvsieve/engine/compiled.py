@@ -37,6 +37,8 @@ except ImportError:  # (the `fast` extra is not installed)
 
 ENABLED = numba is not None
 """Whether scans and decode steps use the compiled loops where they can (tests switch it off to compare)."""
+_NO_ORDER = np.empty((0, 0, 0), dtype=np.int64)
+"""What :func:`_decode_rule` gets for a rule without pooling (it reads no position order)."""
 _compiled = (lambda f: f) if numba is None else numba.njit(cache=True, nogil=True)
 
 
@@ -311,8 +313,9 @@ def _decode_rule(
         _add_scores(score, total, b, accumulate, across_heads)
         if evict:
             for h in range(heads):
+                own = ranked[b, h] if pool > 0 else rank  # (a rule without pooling has no position order)
                 victims[b, h, 0] = _victim(
-                    score, pos, False, b, h, lasts[b], pattern, pool, kept, rank, order, ranked[b, h], True
+                    score, pos, False, b, h, lasts[b], pattern, pool, kept, rank, order, own, True
                 )
 
 
@@ -497,8 +500,8 @@ def compiled_decode(
     (int64; when one slot goes, ``evict``) and returned (None under ``LowMarks``, whose evictions the policy
     chooses). A ``ScoreRule``'s score adds the softmax of the logits times its ``logit_scale`` where it has one
     (``scale``: its value ``[B]`` at the rows' newest positions, if already computed). A pooling rule ranks the slots
-    by position: ``ranked`` ``[B, H, N]`` (int64, on CPU), kept from step to step, holds that order, repaired in
-    O(N) where it is the order of the step before (anything else is sorted again)."""
+    by position: ``ranked`` ``[B, H, N]`` (int64, on CPU; needed then), kept from step to step, holds that order,
+    repaired in O(N) where it is the order of the step before (anything else is sorted again)."""
     probs = logits.softmax(dim=-1)
     pos, last = slots.pos.numpy(), slots.last.numpy()
     if isinstance(rule, LowMarks):
@@ -519,7 +522,7 @@ def compiled_decode(
         _fields(rule.kept),
         rule.across_heads,
         rule.pool,
-        (torch.full(pos.shape, -1) if ranked is None else ranked).numpy(),
+        _NO_ORDER if ranked is None else ranked.numpy(),
     )
     return probs, victims
 
