@@ -341,3 +341,17 @@ def test_snapkv_decode_steps_keep_the_same_tokens_with_the_order_kept_or_sorted(
                 token = llama_gqa(token, cache=cache).logits[:, -1:].argmax(-1)
         kept.append([cache.positions(i) for i in range(len(cache.layers))])
     assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
+
+
+def test_a_pooling_decode_step_without_a_kept_order_sorts_the_slots() -> None:
+    """``compiled_decode`` under SnapKV's pooling rule, given no position order to repair, ranks the slots afresh:
+    the same scores and victims as with a new (sorted) buffer."""
+    rule = REGISTRY["snapkv"](32).rule
+    runs = []
+    for ranked in (None, torch.full((2, 3, 40), -1)):
+        slots = _slots(torch.Generator().manual_seed(3), 40, 0)
+        logits = torch.randn((2, 3, 2, 40), generator=torch.Generator().manual_seed(4))
+        victims = torch.zeros((2, 3, 1), dtype=torch.long)
+        compiled.compiled_decode(rule, logits, slots, True, victims, ranked=ranked)
+        runs.append((victims, slots.state["score"]))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -41,7 +41,9 @@ class SyncProbe(TorchFunctionMode):
 
 
 def _buffers(cache: kvsieve.SieveCache) -> list[int]:
-    return [t.untyped_storage().data_ptr() for layer in cache.layers for t in layer.store.kv.values()]
+    """Where every layer's slot buffers are stored: keys and values (or codes), positions and policy state."""
+    stores = [layer.store for layer in cache.layers]
+    return [t.untyped_storage().data_ptr() for s in stores for t in (*s.kv.values(), s.positions, *s.state.values())]
 
 
 def test_probe_sees_host_reads():
@@ -94,7 +96,8 @@ BUDGET = 12
 
 
 class Recorder(TorchDispatchMode):
-    """Every op dispatched, with the shapes of its tensor arguments; the host syncs among them."""
+    """Every op dispatched, with the shapes of its tensor arguments; the host syncs among them (``.tolist()``
+    dispatches no op: :class:`SyncProbe` sees it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,12 +113,6 @@ class Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _all_buffers(cache: kvsieve.SieveCache) -> list[int]:
-    """The data pointers of every layer's slot buffers: keys, values, positions and policy state."""
-    stores = [layer.store for layer in cache.layers]
-    return [t.data_ptr() for s in stores for t in (*s.kv.values(), s.positions, *s.state.values())]
-
-
 def _decode_steps(
     model: torch.nn.Module, policy: str, ids: torch.Tensor, steps: int
 ) -> tuple[list[Recorder], list[int], kvsieve.SieveCache]:
@@ -127,7 +124,7 @@ def _decode_steps(
         token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
         for _ in range(3):  # (past the first decode steps, whose evictions may still change the slots' layout)
             token = model(token, cache=cache).logits[:, -1:].argmax(-1)
-        buffers = _all_buffers(cache)
+        buffers = _buffers(cache)
         for _ in range(steps):
             recorders.append(Recorder())
             with recorders[-1]:
@@ -143,7 +140,7 @@ def test_a_decode_step_at_the_budget_repeats_the_same_ops_with_no_host_sync(
     steps, buffers, cache = _decode_steps(llama_gqa, policy, make_ids(2, 30), 2)
     assert steps[0].syncs == [], f"{policy}: host syncs in a decode step: {sorted(set(steps[0].syncs))}"
     assert steps[0].ops == steps[1].ops, f"{policy}: two decode steps at the budget dispatch different ops"
-    assert _all_buffers(cache) == buffers, f"{policy}: the slot buffers moved"
+    assert _buffers(cache) == buffers, f"{policy}: the slot buffers moved"
     assert all(layer.store.used == BUDGET + 1 for layer in cache.layers)
 
 
@@ -156,7 +153,7 @@ def test_scissorhands_bulk_drops_repeat_every_m_steps_with_no_host_sync(llama_gq
     assert [s.syncs for s in steps] == [[]] * len(steps)
     assert [s.ops for s in steps[:drop]] == [s.ops for s in steps[drop:]]
     assert steps[0].ops != steps[1].ops
-    assert _all_buffers(cache) == buffers
+    assert _buffers(cache) == buffers
 
 
 def test_the_recorder_sees_a_host_sync_and_a_new_shape(llama_gqa, make_ids) -> None:

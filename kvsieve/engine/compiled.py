@@ -500,8 +500,8 @@ def compiled_decode(
     (int64; when one slot goes, ``evict``) and returned (None under ``LowMarks``, whose evictions the policy
     chooses). A ``ScoreRule``'s score adds the softmax of the logits times its ``logit_scale`` where it has one
     (``scale``: its value ``[B]`` at the rows' newest positions, if already computed). A pooling rule ranks the slots
-    by position: ``ranked`` ``[B, H, N]`` (int64, on CPU; needed then), kept from step to step, holds that order,
-    repaired in O(N) where it is the order of the step before (anything else is sorted again)."""
+    by position: ``ranked`` ``[B, H, N]`` (int64, on CPU), kept from step to step, holds that order, repaired in O(N)
+    where it is the order of the step before (anything else is sorted again; without it the slots are sorted)."""
     probs = logits.softmax(dim=-1)
     pos, last = slots.pos.numpy(), slots.last.numpy()
     if isinstance(rule, LowMarks):
@@ -522,9 +522,17 @@ def compiled_decode(
         _fields(rule.kept),
         rule.across_heads,
         rule.pool,
-        _NO_ORDER if ranked is None else ranked.numpy(),
+        _position_buffer(ranked, rule.pool, pos.shape),
     )
     return probs, victims
+
+
+def _position_buffer(ranked: torch.Tensor | None, pool: int, shape: tuple[int, ...]) -> np.ndarray:
+    """What :func:`_decode_rule` ranks the slots in: ``ranked``; without one, for a pooling rule, a new buffer (sorted
+    at this step), and for a rule without pooling, which reads none, an empty array."""
+    if ranked is not None:
+        return ranked.numpy()
+    return np.full(shape, -1, dtype=np.int64) if pool else _NO_ORDER
 
 
 def compiled_victims(

@@ -67,8 +67,9 @@ class SlotStore:
     """Whether slots in use may hold padding (position -1)."""
     padding_left: int = 0
     """While padding may be held: the most padding slots a (row, head) held when last counted, less the single
-    evictions since (a lower bound of the most any holds now, unless rows were removed or reordered since, which only
-    makes it count sooner; see :meth:`settle`)."""
+    evictions since — a lower bound of the most any holds now (after rows were removed it may be higher: padding is
+    then counted later than it could be, and the masked path, right with or without padding, runs meanwhile; see
+    :meth:`settle`)."""
     codec: Codec = PLAIN
     residual: Residual | None = None
     """Quantized slots: exact copies of each row's newest tokens."""

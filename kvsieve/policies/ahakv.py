@@ -57,7 +57,7 @@ def seen_gain(query_pos: torch.Tensor, budget: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class SeenGain:
     """:func:`seen_gain` at a ``budget``, as a rule's ``logit_scale``: equal for equal budgets, so the layers of a
-    decode step compute it once (:meth:`~kvsieve.engine.plan.StepMemo.share`)."""
+    decode step compute it once (:meth:`~kvsieve.engine.plan.StepMemo.derive`)."""
 
     budget: int
 
