@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from kvsieve.evaluation import tasks
-from kvsieve.evaluation.tasks import MC_TASKS, PREFIX, format_examples, load_xsum, task_manager, task_name
+from kvsieve.evaluation.tasks import (
+    MC_TASKS,
+    PREFIX,
+    SQUAD_SHIFTS,
+    ReadingItem,
+    format_examples,
+    load_xsum,
+    squad_shifts,
+    task_manager,
+    task_name,
+)
 
 SIX = list(MC_TASKS)
 
@@ -57,8 +68,9 @@ def test_fetch_reads_the_sdist_once_for_all_missing_members(tmp_path, monkeypatc
     monkeypatch.setattr(tasks, "extract_members", extract)
     files = tasks.fetch_bigbench()
     assert len(downloads) == 1 and len(extracted) == 1
-    assert len(extracted[0]) == sum(len(subs) or 1 for subs in MC_TASKS.values()) + 1  # + gem/xsum
+    assert len(extracted[0]) == sum(len(subs) or 1 for subs in MC_TASKS.values()) + 1 + 5  # + gem/xsum, squad_shifts
     assert "bigbench/benchmark_tasks/gem/xsum/task.json" in extracted[0]
+    assert "bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.json" in extracted[0]
     assert all(path.is_relative_to(tmp_path) for path in files.values())
     tasks.fetch_bigbench()
     assert len(downloads) == 1  # everything cached: no download
@@ -105,3 +117,51 @@ def test_xsum_has_the_1001_articles_with_summaries(index) -> None:
     assert len(examples[index].article) > 200 and 10 < len(examples[index].summary) < 500
     raw = json.loads((tasks.bigbench_dir() / "gem/xsum/task.json").read_text())["examples"][index]
     assert (examples[index].article, examples[index].summary) == (raw["input"], raw["target"])
+
+
+@pytest.fixture(scope="module")
+def reading_items() -> list[ReadingItem]:
+    return squad_shifts()
+
+
+def test_squad_shifts_has_every_question_source_by_source(reading_items) -> None:
+    counts = {"squaddev": 10565, "amazon_reviews": 9877, "reddit": 9767, "nyt": 10056, "new_wiki": 7936}
+    assert Counter(item.source for item in reading_items) == counts
+    assert list(dict.fromkeys(item.source for item in reading_items)) == list(SQUAD_SHIFTS)
+
+
+def test_squad_shifts_answers_are_distinct_spans_of_the_passage(reading_items) -> None:
+    # SQuAD answers are spans: every (stripped) answer of every item occurs verbatim in its passage
+    assert all(item.answers and all(a in item.passage for a in item.answers) for item in reading_items)
+    assert all(len(set(item.answers)) == len(item.answers) for item in reading_items)
+
+
+def test_squad_shifts_passage_and_question_carry_no_prompt(reading_items) -> None:
+    for item in reading_items:
+        assert not item.passage.startswith(("Title:", "Background:")) and "\nQ:" not in item.passage
+        assert not item.question.startswith("Q:") and item.question not in ("", item.passage)
+        assert (item.passage, item.question) == (item.passage.strip(), item.question.strip())
+
+
+def test_squad_shifts_first_items_match_the_files(reading_items) -> None:
+    nyt = next(item for item in reading_items if item.source == "nyt")
+    assert nyt.question == "Which baseball teams was Mattingly apart of?"
+    assert nyt.answers == ("Yankee", "Yankees")
+    assert nyt.passage.startswith("Mattingly’s election to baseball’s Hall of Fame in this, his last year")
+    first = reading_items[0]  # squaddev: three annotators gave the same answer
+    assert first.question == "Which NFL team represented the AFC at Super Bowl 50?"
+    assert first.answers == ("Denver Broncos",)
+
+
+def test_squad_shifts_strips_dedupes_and_drops_unanswered(tmp_path, monkeypatch) -> None:
+    qas = [
+        {"question": " Who? ", "answers": [{"text": " Ann"}, {"text": "Ann "}, {"text": " "}, {"text": "Bo"}]},
+        {"question": "Why?", "answers": [{"text": "  "}]},
+    ]
+    data = {"data": [{"title": "t", "paragraphs": [{"context": "Ann met Bo.\n", "qas": qas}]}]}
+    files = {}
+    for source in SQUAD_SHIFTS:
+        files[tasks._squad_member(source)] = path = tmp_path / f"{source}.json"
+        path.write_text(json.dumps(data))
+    monkeypatch.setattr(tasks, "fetch_bigbench", lambda: files)
+    assert squad_shifts() == [ReadingItem("Ann met Bo.", "Who?", ("Ann", "Bo"), source) for source in SQUAD_SHIFTS]

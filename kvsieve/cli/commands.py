@@ -60,12 +60,13 @@ def _text(args: argparse.Namespace) -> str:
 
 def cmd_data(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.data import ensure_data
-    from kvsieve.evaluation.tasks import ensure_task_pack
+    from kvsieve.evaluation.tasks import ensure_task_pack, fetch_bigbench
     from kvsieve.models import ensure_model
 
     paths = {name: str(ensure_model(name)) for name in args.models}
     paths.update({name: str(path) for name, path in ensure_data().items()})
     paths["lm_eval_tasks"] = str(ensure_task_pack())
+    fetch_bigbench()  # (a cache made before a BIG-bench file was added gets it too)
     return {"fetched": paths}
 
 

@@ -1,9 +1,11 @@
-"""The offline task pack: six BIG-bench multiple-choice tasks and GEM XSum, as lm-evaluation-harness tasks.
+"""The offline task pack: six BIG-bench multiple-choice tasks and GEM XSum, as lm-evaluation-harness tasks, and
+BIG-bench's squad_shifts reading-comprehension items (:func:`squad_shifts`).
 
-Source: the ``bigbench==1.0.0`` sdist on PyPI (358 MB). Only the needed ``task.json`` files are extracted, in one
-pass over the tarball, into ``cache_dir()/"bigbench"``; the tarball is deleted. Nothing is committed. The sdist
-is downloaded from its PyPI file URL (pinned SHA-256) because pip >= 26.3 refuses to download it: pip prepares
-its metadata and rejects the direct-URL dependency (``bleurt @ file://...``) it declares.
+Source: the ``bigbench==1.0.0`` sdist on PyPI (358 MB). Only the needed data files (``task.json`` files and
+squad_shifts' SQuAD files) are extracted, in one pass over the tarball, into ``cache_dir()/"bigbench"``; the
+tarball is deleted. Nothing is committed. The sdist is downloaded from its PyPI file URL (pinned SHA-256) because
+pip >= 26.3 refuses to download it: pip prepares its metadata and rejects the direct-URL dependency
+(``bleurt @ file://...``) it declares.
 
 Each multiple-choice (sub)task becomes one lm-eval task (``kvsieve_<task>[_<subtask>]``) reading a local JSON
 lines file (``dataset_path: json``), formatted as BIG-bench's own ``JsonTask`` does (``default_format_fn``: the
@@ -57,6 +59,8 @@ MC_TASKS: dict[str, tuple[str, ...]] = {
 }
 """BIG-bench task → its subtasks (empty: the task has none)."""
 XSUM = "gem/xsum"
+SQUAD_SHIFTS = ("squaddev", "amazon_reviews", "reddit", "nyt", "new_wiki")
+"""squad_shifts' sources (its subtasks), in BIG-bench's order."""
 PREFIX = "kvsieve_"
 NUM_FEWSHOT = 5
 BIGBENCH_SEED = 42  # JsonTask's default random_seed (the order of the choices appended to the input)
@@ -95,13 +99,18 @@ def _member(task: str, sub: str = "") -> str:
     return "/".join(part for part in (TASKS_ROOT, task, sub, "task.json") if part)
 
 
+def _squad_member(source: str) -> str:
+    return f"{TASKS_ROOT}/squad_shifts/{source}_v{'1.1' if source == 'squaddev' else '1.0'}.json"
+
+
 def _local(member: str) -> Path:
     return bigbench_dir() / member.removeprefix(TASKS_ROOT + "/")
 
 
 def fetch_bigbench() -> dict[str, Path]:
-    """Make sure the needed ``task.json`` files are cached; download the sdist once if any is missing."""
-    wanted = {member: _local(member) for member in [*(_member(task, sub) for task, sub in _units()), _member(XSUM)]}
+    """Make sure the needed data files are cached; download the sdist once if any is missing."""
+    members = [*(_member(task, sub) for task, sub in _units()), _member(XSUM), *map(_squad_member, SQUAD_SHIFTS)]
+    wanted = {member: _local(member) for member in members}
     missing = {member: path for member, path in wanted.items() if not path.exists()}
     if missing:
         with tempfile.TemporaryDirectory(prefix="kvsieve-bigbench-") as tmp:
@@ -239,3 +248,36 @@ def load_xsum() -> list[XSumExample]:
     path = fetch_bigbench()[_member(XSUM)]
     examples = json.loads(path.read_text(encoding="utf-8"))["examples"]
     return [XSumExample(article=e["input"], summary=e["target"]) for e in examples]
+
+
+@dataclass(frozen=True)
+class ReadingItem:
+    """A question on a passage with its acceptable answers; ``source``: its squad_shifts source."""
+
+    passage: str
+    question: str
+    answers: tuple[str, ...]
+    source: str
+
+
+def squad_shifts() -> list[ReadingItem]:
+    """BIG-bench's squad_shifts questions (48,201), source by source in :data:`SQUAD_SHIFTS` order, each in file order.
+
+    The task has no ``task.json``: its ``task.py`` reads SQuAD v1.1-format files (articles → paragraphs with a
+    ``context`` and ``qas``, each a ``question`` and crowd ``answers``) and builds its own prompt
+    (``"Title: …\\nBackground: <context>\\nQ: <question>\\nA: "``), so passage and question are the separate
+    fields, free of prefixes. As ``task.py``: one item per question (SQuAD's few repeated questions on a passage
+    included), passage, question and answers stripped of surrounding whitespace. Answers are deduplicated in order,
+    empty ones dropped, and so are questions left without an answer (none in 1.0.0). Not kept: the article title
+    (a Wikipedia title, an NYT URL or a placeholder) and the answers' offsets.
+    """
+    files = fetch_bigbench()
+    items = []
+    for source in SQUAD_SHIFTS:
+        articles = json.loads(files[_squad_member(source)].read_text(encoding="utf-8"))["data"]
+        for paragraph in (paragraph for article in articles for paragraph in article["paragraphs"]):
+            passage = paragraph["context"].strip()
+            for qa in paragraph["qas"]:
+                if answers := tuple(dict.fromkeys(text for a in qa["answers"] if (text := a["text"].strip()))):
+                    items.append(ReadingItem(passage, qa["question"].strip(), answers, source))
+    return items
