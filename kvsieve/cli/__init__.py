@@ -62,6 +62,11 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
     elif command == "sweep":
         print(result["table"])
         print(f"{result['computed']} cell(s) computed; outputs:", *result["files"].values(), sep="\n  ")
+    elif command == "ruler":
+        from kvsieve.ruler.report import summary
+
+        print(summary(result["rows"]))
+        print("wrote", *result["files"], sep="\n  ")
     elif command == "analyze":
         from kvsieve.analysis.report import markdown
 

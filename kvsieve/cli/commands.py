@@ -318,6 +318,47 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
     return {"computed": result.computed, "files": result.files, "rows": result.rows, "table": result.table}
 
 
+def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvsieve.evaluation.defaults import QUESTION_MODES
+    from kvsieve.ruler import run
+    from kvsieve.ruler.report import write_report
+
+    quick = run.QUICK if args.quick else {}
+    if not args.report:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        policies = args.policies or quick.get("policies") or run.default_policies()
+        settings = run.grid_settings(
+            [_spec(args, p) for p in policies],
+            args.compressions or quick.get("compressions", run.DEFAULT_COMPRESSIONS),
+            args.protocols or QUESTION_MODES,
+        )
+        tasks = args.tasks or list(run.TASKS)
+        haystack = run.haystack_name(args.file)  # (a missing --file fails before the model loads)
+        model, tokenizer = _load(args)
+        run.run_ruler(
+            model,
+            tokenizer,
+            args.out,
+            lambda: run.sources(args.file, with_reading="qa" in tasks),
+            run.GridSettings(
+                model=args.model,
+                dtype=str(model.dtype).removeprefix("torch."),
+                seed=args.seed,
+                haystack=haystack,
+                chat_template=not args.no_chat_template,
+            ),
+            tasks=tasks,
+            lengths=args.lengths or quick.get("lengths", run.DEFAULT_LENGTHS),
+            settings=settings,
+            samples=args.samples or quick.get("samples", run.DEFAULT_SAMPLES),
+            progress=not args.json,
+        )
+    return write_report(args.out, title=f"RULER, {args.model}")
+
+
 def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
     """lm-eval's own command line, with the ``kvsieve`` model registered and the offline task pack included."""
     from lm_eval.__main__ import cli_evaluate
@@ -416,6 +457,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "xsum": cmd_xsum,
     "sweep": cmd_sweep,
     "lm-eval": cmd_lm_eval,
+    "ruler": cmd_ruler,
     "analyze": cmd_analyze,
     "reproduce": cmd_reproduce,
     "serve": cmd_serve,

@@ -323,6 +323,38 @@ def build_parser() -> argparse.ArgumentParser:
     _ray_args(p)
 
     p = sub.add_parser(
+        "ruler",
+        help="RULER-style long-context tasks generated offline: score per task × policy × compression × protocol",
+        description="Needle-in-a-haystack (single, multi-key, multi-value, multi-query), variable tracking, "
+        "common- and frequent-word extraction and single-document QA, generated from a seed at lengths counted with "
+        "the model's tokenizer; each policy at each compression (share of tokens dropped) under the question-agnostic "
+        "and question-aware protocols, the full cache as the ceiling. Resumable: finished answers in --out are kept.",
+    )
+    _common(p)
+    p.add_argument("--out", required=True, help="output directory (finished answers in it are not recomputed)")
+    p.add_argument("--tasks", nargs="+", help="default: all (see kvsieve.ruler.tasks)")
+    p.add_argument("--lengths", type=POSITIVE_INT, nargs="+", help="prompt lengths in tokens (default 4096)")
+    p.add_argument("--policies", nargs="+", help="policy specs (default: every registered policy)")
+    p.add_argument(
+        "--compressions", type=FRACTION, nargs="+", help="shares of tokens dropped (default 0.25 0.5 0.75 0.9)"
+    )
+    p.add_argument("--protocols", nargs="+", choices=QUESTION_MODES, help="default: agnostic aware")
+    p.add_argument("--samples", type=POSITIVE_INT, help="samples per task and length (default 25)")
+    p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="the samples' seed (default 0)")
+    p.add_argument("--file", help="a text file as the essay haystack (default: the built-in Wikipedia articles)")
+    p.add_argument(
+        "--no-chat-template", action="store_true", help="plain prompts, even where the tokenizer has a chat template"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small grid: 1024 tokens, 2 samples, full h2o snapkv streaming_llm at 0.5 (flags given still apply)",
+    )
+    p.add_argument("--threads", type=POSITIVE_INT, help="torch threads (default: torch's)")
+    p.add_argument("--report", action="store_true", help="compute nothing: the report of the finished answers")
+    _quant_args(p)
+
+    p = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server: each request's KV memory bounded by its policy, admitted under a cap",
         description="POST /v1/completions, /v1/chat/completions (stream: true for server-sent events), GET /v1/models, "

@@ -1,0 +1,210 @@
+"""A RULER grid's report from its cell files: ``results.json``, ``results.csv``, ``results.md`` and plots.
+
+Each row is one cell: task, length, protocol, policy, compression, the samples (those of its task and length answered
+under every setting), the mean score and its standard error in percent
+(:func:`~kvsieve.ruler.scoring.mean_and_stderr`), and the mean seconds to the first answer token and per answer. The
+markdown holds per length the full cache's score per task (the ceiling), then per length and protocol the average over tasks of each policy at each
+compression (its standard error: that of a mean of the task means, √Σse²/T) with the full cache's average as the
+ceiling, then per compression a task × policy table. Plots (``plots/``): the average score against the compression,
+one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``); a task × policy heat map per
+compression (``tasks_<length>_<protocol>_c<compression>.png``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvsieve.evaluation.plots import pyplot, save_figure
+from kvsieve.ruler.scoring import mean_and_stderr
+
+__all__ = ["collect", "markdown", "summary", "write_report"]
+
+FIELDS = (
+    "task",
+    "length",
+    "protocol",
+    "policy",
+    "compression",
+    "samples",
+    "score",
+    "stderr",
+    "first_token_s",
+    "answer_s",
+)
+
+
+def collect(out: str | Path) -> list[dict[str, Any]]:
+    """One row per cell file in ``out/cells`` (see the module docstring), over the samples of its ``(task, length)``
+    answered under every setting of the grid, so that every row of a task is computed on the same samples (a cell
+    still being computed narrows its task's rows until it catches up)."""
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(Path(out, "cells").glob("*.json")):
+        stored = json.loads(path.read_text())
+        cells[(stored["settings"]["task"], stored["settings"]["length"])].append(stored)
+    rows = []
+    for group in cells.values():
+        common = set.intersection(*(set(c["predictions"]) for c in group))
+        for stored in group:
+            settings = stored["settings"]
+            predictions = [stored["predictions"][i] for i in sorted(common, key=int)]
+            if not predictions:
+                continue
+            mean, stderr = mean_and_stderr([p["score"] for p in predictions])
+            rows.append(
+                {
+                    "task": settings["task"],
+                    "length": settings["length"],
+                    "protocol": settings["protocol"] if settings["policy"] != "full" else "both",
+                    "policy": settings["policy"],
+                    "compression": settings["compression"],
+                    "samples": len(predictions),
+                    "score": round(mean, 2),
+                    "stderr": round(stderr, 2),
+                    "first_token_s": round(sum(p["first_token_s"] for p in predictions) / len(predictions), 3),
+                    "answer_s": round(sum(p["total_s"] for p in predictions) / len(predictions), 3),
+                }
+            )
+    return rows
+
+
+def _average(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """The mean of the rows' task scores and its standard error."""
+    mean = sum(r["score"] for r in rows) / len(rows)
+    return mean, math.sqrt(sum(r["stderr"] ** 2 for r in rows)) / len(rows)
+
+
+def write_report(out: str | Path, title: str = "RULER") -> dict[str, Any]:
+    """Write ``results.json``, ``results.csv``, ``results.md`` and the plots of ``out``; the rows and the paths."""
+    out = Path(out)
+    rows = collect(out)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.md").write_text(markdown(rows, title))
+    plots = _plots(rows, out / "plots")
+    return {"rows": rows, "files": [str(out / n) for n in ("results.json", "results.csv", "results.md")] + plots}
+
+
+def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """(length, protocol) → its bounded rows (the full rows belong to both protocols)."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["policy"] != "full":
+            groups[(row["length"], row["protocol"])].append(row)
+    return dict(sorted(groups.items()))
+
+
+def _ceiling(rows: Sequence[dict[str, Any]], length: int, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
+    return {r["task"]: r for r in rows if r["policy"] == "full" and r["length"] == length and r["task"] in tasks}
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """The average tables alone (what ``kvsieve ruler`` prints)."""
+    return markdown(rows, title="", per_task=False)
+
+
+def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: bool = True) -> str:
+    """The report's tables (see the module docstring); ``per_task=False``: the average tables only."""
+    lines = [f"# {title}", ""] if title else []
+    for length in sorted({r["length"] for r in rows if r["policy"] == "full"}):
+        full = sorted((r for r in rows if r["policy"] == "full" and r["length"] == length), key=lambda r: r["task"])
+        mean, se = _average(full)
+        lines += [f"## {length} tokens, the full cache (the ceiling)", ""]
+        lines += ["| " + " | ".join(["task", *(r["task"] for r in full), "average"]) + " |"]
+        lines += ["|---|" + "---:|" * (len(full) + 1)]
+        lines += ["| score % | " + " | ".join(f"{r['score']:.0f} ± {r['stderr']:.0f}" for r in full)]
+        lines[-1] += f" | {mean:.1f} ± {se:.1f} |"
+        lines += ["| samples | " + " | ".join(str(r["samples"]) for r in full) + " | |", ""]
+    for (length, protocol), group in _groups(rows).items():
+        tasks = sorted({r["task"] for r in group})
+        compressions = sorted({r["compression"] for r in group})
+        policies = list(dict.fromkeys(r["policy"] for r in group))
+        full = _ceiling(rows, length, tasks)
+        lines += [f"## {length} tokens, question-{protocol}", ""]
+        lines += [f"Average over {len(tasks)} task(s) ({', '.join(tasks)}), score % ± standard error.", ""]
+        lines += ["| policy | " + " | ".join(f"{c:g}" for c in compressions) + " |"]
+        lines += ["|---|" + "---:|" * len(compressions)]
+        if len(full) == len(tasks):
+            mean, se = _average(list(full.values()))
+            lines += ["| full (ceiling) | " + " | ".join(f"{mean:.1f} ± {se:.1f}" for _ in compressions) + " |"]
+        for policy in policies:
+            cells = []
+            for c in compressions:
+                got = [r for r in group if r["policy"] == policy and r["compression"] == c]
+                cells.append(f"{_average(got)[0]:.1f} ± {_average(got)[1]:.1f}" if len(got) == len(tasks) else "–")
+            lines += [f"| {policy} | " + " | ".join(cells) + " |"]
+        for c in compressions if per_task else ():
+            lines += ["", f"### compression {c:g} (per task)", ""]
+            lines += ["| policy | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
+            table = {"full": full} | {
+                p: {r["task"]: r for r in group if r["policy"] == p and r["compression"] == c} for p in policies
+            }
+            for policy, by_task in table.items():
+                cells = [
+                    f"{by_task[t]['score']:.0f} ± {by_task[t]['stderr']:.0f}" if t in by_task else "–" for t in tasks
+                ]
+                lines += [f"| {policy} | " + " | ".join(cells) + " |"]
+        lines += [""]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
+    paths = []
+    for (length, protocol), group in _groups(rows).items():
+        tasks = sorted({r["task"] for r in group})
+        compressions = sorted({r["compression"] for r in group})
+        policies = list(dict.fromkeys(r["policy"] for r in group))
+        full = _ceiling(rows, length, tasks)
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for policy in policies:
+            points = [
+                (c, _average(got)[0])
+                for c in compressions
+                if len(got := [r for r in group if r["policy"] == policy and r["compression"] == c]) == len(tasks)
+            ]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+        if len(full) == len(tasks):
+            ax.axhline(_average(list(full.values()))[0], color="black", linestyle="--", label="full")
+        ax.set_xlabel("compression (share of tokens dropped)")
+        ax.set_ylabel(f"average score over {len(tasks)} task(s) (%)")
+        ax.set_title(f"RULER {length} tokens, question-{protocol}")
+        ax.legend(fontsize=7, ncol=2)
+        paths.append(str(save_figure(fig, folder / f"score_{length}_{protocol}.png")))
+        for c in compressions:
+            names = ["full", *policies]
+            grid = [
+                [
+                    next(
+                        (
+                            r["score"]
+                            for r in (full.values() if p == "full" else group)
+                            if r["task"] == t and (p == "full" or (r["policy"] == p and r["compression"] == c))
+                        ),
+                        math.nan,
+                    )
+                    for p in names
+                ]
+                for t in tasks
+            ]
+            fig, ax = plt.subplots(figsize=(0.7 * len(names) + 2.5, 0.45 * len(tasks) + 1.8))
+            im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(names)), names, rotation=60, ha="right")
+            ax.set_yticks(range(len(tasks)), tasks)
+            for i, line in enumerate(grid):
+                for j, value in enumerate(line):
+                    if not math.isnan(value):
+                        ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
+            fig.colorbar(im, ax=ax, label="score (%)")
+            ax.set_title(f"RULER {length} tokens, question-{protocol}, compression {c:g}")
+            paths.append(str(save_figure(fig, folder / f"tasks_{length}_{protocol}_c{c:g}.png")))
+    return paths

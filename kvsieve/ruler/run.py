@@ -1,0 +1,323 @@
+"""A RULER grid: tasks × lengths × (protocol, policy, compression), answered sample by sample, resumable.
+
+**Compression** is kvpress's ratio: the share of the compressed tokens that are dropped (0.75 keeps a quarter). The
+kvsieve budget is ``1 - compression`` of those tokens. **Protocols**
+(:data:`~kvsieve.evaluation.defaults.QUESTION_MODES`):
+
+- ``agnostic``: the context part (the chat template's header and the context) is compressed by one forward pass
+  before the question is known, then the question part is fed and the answer decoded with the cache growing
+  without bound (``decode_budget=None``): kvpress's protocol;
+- ``aware``: the whole prompt, context and question, is compressed by one forward pass, and the answer is decoded
+  with the cache held at that budget (the H2O setting: eviction goes on while decoding).
+
+Both feed the same tokens (:class:`~kvsieve.ruler.tasks.Prompter`). The full cache is computed once per sample and
+shown as the ceiling of both protocols (without eviction they compute the same answer). Answers are greedy, up to
+RULER's per-task token limits (:data:`MAX_NEW_TOKENS`).
+
+**Files** in ``OUT``: ``samples/<task>_<length>.jsonl`` (the generated samples, so that another tool can be fed the
+identical prompts), ``cells/<task>_<length>_<setting>.json`` (each sample's answer, score and timings, with the
+settings they were computed with: a cell computed with other settings is computed again), and the report
+(:mod:`kvsieve.ruler.report`). The loop runs sample by sample, every setting of a sample in turn, and a cell file is
+rewritten after each answer: an interrupted run loses at most one answer and a rerun computes only what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
+
+from kvsieve.api import _length_until_eos, eos_ids, make_cache
+from kvsieve.evaluation.defaults import QUESTION_MODES
+from kvsieve.policies import REGISTRY, get_policy
+from kvsieve.ruler.scoring import score
+from kvsieve.ruler.tasks import TASKS, Prompter, Sample, Sources, generate_samples, sentences, vocabulary
+
+__all__ = [
+    "MAX_NEW_TOKENS",
+    "GridSettings",
+    "Setting",
+    "default_policies",
+    "grid_settings",
+    "haystack_name",
+    "predict",
+    "run_ruler",
+    "sources",
+]
+
+MAX_NEW_TOKENS = {"vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
+"""Task → the most tokens an answer may have (RULER's limits; needle tasks: 128)."""
+DEFAULT_COMPRESSIONS = (0.25, 0.5, 0.75, 0.9)
+DEFAULT_LENGTHS = (4096,)
+DEFAULT_SAMPLES = 25
+QUICK: dict[str, Any] = {
+    "lengths": (1024,),
+    "samples": 2,
+    "policies": ("full", "h2o", "snapkv", "streaming_llm"),
+    "compressions": (0.5,),
+}
+"""``kvsieve ruler --quick``: a small grid, minutes on the default model."""
+
+
+def default_policies() -> list[str]:
+    """Every registered policy."""
+    return list(REGISTRY)
+
+
+def sources(file: str | Path | None = None, with_reading: bool = True) -> Sources:
+    """The samples' sources: the essay haystack from ``file`` (default: the built-in Wikipedia articles), the
+    vocabulary of the built-in articles, and (``with_reading``) the squad_shifts items."""
+    from kvsieve.data import load_articles, read_text
+    from kvsieve.evaluation.tasks import squad_shifts
+
+    wiki = "\n\n".join(a.text for a in load_articles())
+    hay = sentences(read_text(file)) if file else sentences(wiki)
+    if not hay:
+        raise ValueError(f"{file} holds no sentences to build a haystack from")
+    return Sources(hay, vocabulary(wiki), squad_shifts() if with_reading else ())
+
+
+def haystack_name(file: str | Path | None) -> str:
+    """``wikipedia``, or the file's name and the first 16 hex digits of its SHA-256 (what the cells are keyed by)."""
+    if not file:
+        return "wikipedia"
+    from kvsieve.data import read_text
+
+    digest = hashlib.sha256(read_text(file).encode()).hexdigest()[:16]
+    return f"{Path(file).name}:{digest}"
+
+
+def max_new_tokens(task: str) -> int:
+    return MAX_NEW_TOKENS.get(task, 128)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One column of the grid: a policy (spec) at a compression under a protocol."""
+
+    protocol: str
+    policy: str
+    compression: float
+
+    @property
+    def key(self) -> str:
+        return "full" if self.policy == "full" else f"{self.protocol}_{self.policy}_c{self.compression:g}"
+
+    @property
+    def budget(self) -> float | None:
+        """The kvsieve budget: the share of the compressed tokens kept (None: the full cache)."""
+        return None if self.policy == "full" else round(1.0 - self.compression, 6)
+
+
+FULL = Setting("aware", "full", 0.0)
+
+
+def grid_settings(policies: Sequence[str], compressions: Sequence[float], protocols: Sequence[str]) -> list[Setting]:
+    """The full cache once (for the policies without a budget: ``full``), then every protocol × policy with a budget
+    × compression (``topk_oracle`` too: a budget narrows its attention; checked: known policies and protocols,
+    compressions in (0, 1))."""
+    for protocol in protocols:
+        if protocol not in QUESTION_MODES:
+            raise ValueError(f"protocol must be one of {', '.join(QUESTION_MODES)}, got {protocol!r}")
+    for compression in compressions:
+        if not 0.0 < compression < 1.0:
+            raise ValueError(f"a compression is a share of tokens dropped, in (0, 1); got {compression}")
+    budgeted = [p for p in policies if get_policy(p).takes_budget()]
+    settings = [FULL] if len(budgeted) < len(policies) or not policies else []
+    settings += [Setting(q, p, c) for q in protocols for p in budgeted for c in compressions]
+    return settings
+
+
+@dataclass(frozen=True)
+class GridSettings:
+    """What a cell's answers depend on besides the cell: a cell stored with other settings is computed again."""
+
+    model: str
+    dtype: str
+    seed: int
+    haystack: str
+    """``wikipedia`` or the text file's name and SHA-256."""
+    chat_template: bool = True
+
+
+@dataclass
+class Prediction:
+    text: str
+    score: float
+    answer_tokens: int
+    first_token_s: float
+    """Seconds from the start to the first answer token: the prefill (with its compression), and for ``agnostic``
+    the question part's forward pass."""
+    total_s: float
+
+
+class _FirstToken(BaseStreamer):
+    """Notes when ``generate`` emits its first new token (the first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.at = 0, None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def predict(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    head: Sequence[int],
+    tail: Sequence[int],
+    setting: Setting,
+    max_new_tokens: int,
+) -> tuple[str, int, float, float]:
+    """The greedy answer to the prompt ``head + tail`` (context part, question part) under ``setting``: its text,
+    its tokens, the seconds to its first token and in all (see the module docstring for the protocols)."""
+    device = model.device
+    ids = torch.tensor([[*head, *tail]], device=device)
+    start = time.perf_counter()
+    agnostic = setting.protocol == "agnostic" and setting.policy != "full"
+    if setting.policy == "full":
+        cache = make_cache(model, "full", None)
+    elif agnostic:
+        cache = make_cache(model, setting.policy, setting.budget, decode_budget=None)
+    else:
+        cache = make_cache(model, setting.policy, setting.budget)
+    with torch.inference_mode():
+        if agnostic:
+            cache.resolve(len(head))
+            model(input_ids=ids[:, : len(head)], cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            cache.resolve(ids.shape[1])
+            cache.set_prompt_length(ids.shape[1])
+        streamer = _FirstToken()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            streamer=streamer,
+        )
+    end = time.perf_counter()
+    row = out[0, ids.shape[1] :].tolist()
+    n = _length_until_eos(row, eos_ids(model, tokenizer))
+    text = tokenizer.decode(row[:n], skip_special_tokens=True).strip()
+    return text, n, (streamer.at or end) - start, end - start
+
+
+@dataclass
+class _Cell:
+    path: Path
+    settings: dict[str, Any]
+    predictions: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path, settings: dict[str, Any]) -> _Cell:
+        """The cell stored at ``path`` if it was computed with ``settings``, else an empty one."""
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return cls(path, settings)
+        if stored.get("settings") != settings:
+            return cls(path, settings)
+        return cls(path, settings, {int(k): v for k, v in stored["predictions"].items()})
+
+    def write(self) -> None:
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps({"settings": self.settings, "predictions": self.predictions}, indent=1))
+        partial.replace(self.path)
+
+
+def load_samples(path: Path) -> list[Sample]:
+    return [Sample.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def samples_for(
+    out: Path,
+    task: str,
+    length: int,
+    count: int,
+    prompter: Prompter,
+    sources: Callable[[], Sources],
+    grid: GridSettings,
+) -> list[Sample]:
+    """The samples of ``(task, length)``: generated once and stored in ``out/samples`` with what they depend on (the
+    count and the grid's model, seed, haystack and template), read back while that is unchanged."""
+    path = out / "samples" / f"{task}_{length}.jsonl"
+    stamp = path.with_suffix(".settings.json")
+    key = {"count": count, "model": grid.model, "seed": grid.seed, "haystack": grid.haystack}
+    key["chat_template"] = grid.chat_template
+    if path.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
+        return load_samples(path)
+    made = generate_samples(task, length, count, prompter, sources(), grid.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in made))
+    stamp.write_text(json.dumps(key))
+    return made
+
+
+def run_ruler(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: str | Path,
+    sources: Callable[[], Sources],
+    grid: GridSettings,
+    tasks: Sequence[str] = tuple(TASKS),
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    settings: Sequence[Setting] = (FULL,),
+    samples: int = DEFAULT_SAMPLES,
+    progress: bool = True,
+) -> Path:
+    """Answer every sample of every ``(task, length)`` under every setting not stored yet in ``out`` (see the module
+    docstring); the directory. ``sources()`` gives what samples are made of, called once if samples are to be made
+    (stored samples need none)."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; tasks: {', '.join(TASKS)}")
+    if samples <= 0 or not lengths or not settings:
+        raise ValueError("need at least one length, one setting and one sample")
+    out = Path(out)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    prompter = Prompter(tokenizer, grid.chat_template)
+    sources = functools.cache(sources)
+    stored = asdict(grid) | {"samples": samples}
+    todo = []
+    for task in tasks:
+        for length in lengths:
+            here = stored | {"task": task, "length": length}
+            cells = {s: _Cell.open(out / "cells" / f"{task}_{length}_{s.key}.json", here | asdict(s)) for s in settings}
+            todo.append((task, length, cells))
+    total = sum(samples - len(c.predictions) for *_, cells in todo for c in cells.values())
+    with tqdm(total=total, desc="ruler", unit="answer", disable=not progress) as bar:
+        for task, length, cells in todo:
+            if all(len(c.predictions) >= samples for c in cells.values()):
+                continue
+            made = samples_for(out, task, length, samples, prompter, sources, grid)
+            for sample in made:
+                head, tail = prompter.ids(sample.context, sample.question, sample.answer_prefix)
+                for setting, cell in cells.items():
+                    if sample.index in cell.predictions:
+                        continue
+                    bar.set_postfix_str(f"{task} {length} {setting.key} #{sample.index}")
+                    text, n, first, total_s = predict(model, tokenizer, head, tail, setting, max_new_tokens(task))
+                    cell.predictions[sample.index] = asdict(
+                        Prediction(text, score(task, text, sample.answers), n, first, total_s)
+                    )
+                    cell.write()
+                    bar.update()
+    return out

@@ -1,0 +1,38 @@
+"""RULER's scoring: string-match recall of the expected answers in the model's answer (Hsieh et al., 2024).
+
+A sample scores the share of its answers that occur in the prediction, case-insensitively (``all``: needle tasks,
+variable tracking, cwe, fwe); the QA task scores 1 when any of its acceptable answers occurs (``part``). A task's
+score is the mean over its samples, in percent, reported with the standard error of that mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["MATCH", "mean_and_stderr", "score"]
+
+MATCH = {"qa": "part"}
+"""Task → how its answers are matched (``all`` unless named here)."""
+
+
+def score(task: str, prediction: str, answers: Sequence[str]) -> float:
+    """The sample's score in [0, 1]: the share of ``answers`` found in ``prediction`` (``all``), or whether any is
+    (``part``); matching ignores case."""
+    if not answers:
+        raise ValueError("a sample needs at least one expected answer")
+    text = prediction.lower()
+    found = [answer.lower() in text for answer in answers]
+    return float(any(found)) if MATCH.get(task, "all") == "part" else sum(found) / len(found)
+
+
+def mean_and_stderr(scores: Sequence[float]) -> tuple[float, float]:
+    """The mean of ``scores`` and its standard error (sample standard deviation / √n; 0 for one score), in percent."""
+    if not scores:
+        raise ValueError("no scores")
+    n = len(scores)
+    mean = sum(scores) / n
+    if n == 1:
+        return 100 * mean, 0.0
+    variance = sum((s - mean) ** 2 for s in scores) / (n - 1)
+    return 100 * mean, 100 * math.sqrt(variance / n)
