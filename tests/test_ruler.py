@@ -207,9 +207,12 @@ def test_bad_generator_arguments_are_refused(prompter, sources) -> None:
 
 def test_single_needle_sits_at_its_depth_and_depths_are_stratified(prompter, sources) -> None:
     made = generate_samples("niah_single_2", LENGTH, 10, prompter, sources, seed=3)
+    strata = [int(sample.depths[0] * 10) for sample in made]
+    assert sorted(strata) == list(range(10))  # (one sample a tenth of the context)
+    assert strata != list(range(10))  # (dealt in a random order: the first samples spread over the context)
+    assert max(strata[:3]) - min(strata[:3]) >= 3
     for i, sample in enumerate(made):
         (depth,) = sample.depths
-        assert i / 10 <= depth < (i + 1) / 10
         hay = _haystack(sample)
         (needle,) = [m.group(0) for m in NEEDLE.finditer(hay)]
         assert needle.endswith(f" is {sample.answers[0]}.")

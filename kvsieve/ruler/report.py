@@ -3,11 +3,11 @@
 Each row is one cell: task, length, protocol, policy, compression, the samples (those of its task and length answered
 under every setting), the mean score and its standard error in percent
 (:func:`~kvsieve.ruler.scoring.mean_and_stderr`), and the mean seconds to the first answer token and per answer. The
-markdown holds per length the full cache's score per task (the ceiling), then per length and protocol the average over tasks of each policy at each
-compression (its standard error: that of a mean of the task means, √Σse²/T) with the full cache's average as the
-ceiling, then per compression a task × policy table. Plots (``plots/``): the average score against the compression,
-one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``); a task × policy heat map per
-compression (``tasks_<length>_<protocol>_c<compression>.png``).
+markdown holds per length the full cache's score per task (the ceiling), then per length and protocol the average
+over tasks of each policy at each compression (its standard error: that of a mean of the task means, √Σse²/T) with
+the full cache's average as the ceiling, then per compression a task × policy table. Plots (``plots/``): the
+average score against the compression, one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``);
+a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``).
 """
 
 from __future__ import annotations

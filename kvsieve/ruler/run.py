@@ -41,7 +41,7 @@ from kvsieve.api import _length_until_eos, eos_ids, make_cache
 from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.policies import REGISTRY, get_policy
 from kvsieve.ruler.scoring import score
-from kvsieve.ruler.tasks import TASKS, Prompter, Sample, Sources, generate_samples, sentences, vocabulary
+from kvsieve.ruler.tasks import GENERATOR, TASKS, Prompter, Sample, Sources, generate_samples, sentences, vocabulary
 
 __all__ = [
     "MAX_NEW_TOKENS",
@@ -148,6 +148,8 @@ class GridSettings:
     haystack: str
     """``wikipedia`` or the text file's name and SHA-256."""
     chat_template: bool = True
+    generator: int = GENERATOR
+    """The sample generator's version (:data:`~kvsieve.ruler.tasks.GENERATOR`)."""
 
 
 @dataclass
@@ -261,7 +263,7 @@ def samples_for(
     path = out / "samples" / f"{task}_{length}.jsonl"
     stamp = path.with_suffix(".settings.json")
     key = {"count": count, "model": grid.model, "seed": grid.seed, "haystack": grid.haystack}
-    key["chat_template"] = grid.chat_template
+    key |= {"chat_template": grid.chat_template, "generator": grid.generator}
     if path.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == key:
         return load_samples(path)
     made = generate_samples(task, length, count, prompter, sources(), grid.seed)

@@ -30,8 +30,10 @@ Choices where the paper leaves room, each fixed here:
   start, cycling; *noise*: one short repeated line of filler; *needles*: needles of other keys. Needles go between
   sentences (lines), never inside one.
 - **Depths.** The needles of a sample are placed at depths (0 = first, 1 = last unit of the haystack) drawn uniformly
-  from the sample's seed and sorted; with one needle, the samples of a task are stratified over depth (sample ``i``
-  of ``n`` lands in ``[i/n, (i+1)/n)``), so that the depths cover the context evenly at any sample count.
+  from the sample's seed and sorted; with one needle (and qa's golden passage), the samples of a task are stratified
+  over depth: each of the ``n`` samples lands in its own ``[k/n, (k+1)/n)``, the strata dealt to the samples in a
+  seeded random order, so that the depths cover the context evenly and any first samples (a run cut short) spread
+  over it too.
 - **Keys and values.** Word keys are two words of the built-in articles' vocabulary joined by a hyphen, numbers have
   seven digits, UUIDs are version-4 UUIDs drawn from the seed. Variable names are five capital letters.
 - **cwe** keeps RULER's frequencies (the 10 common words 30 times each, the others 3 times each; the length is met
@@ -61,7 +63,11 @@ from transformers import PreTrainedTokenizerBase
 
 from kvsieve.qa import split_prompt
 
-__all__ = ["TASKS", "Prompter", "Sample", "Sources", "generate_samples", "sentences"]
+__all__ = ["GENERATOR", "TASKS", "Prompter", "Sample", "Sources", "generate_samples", "sentences"]
+
+GENERATOR = 2
+"""The generator's version: bumped whenever the samples drawn from a seed change (stored samples and answers of
+another version are made again)."""
 
 
 @dataclass(frozen=True)
@@ -186,10 +192,10 @@ def _insert(units: list[str], needles: Sequence[str], depths: Sequence[float]) -
     return out
 
 
-def _depths(rng: random.Random, count: int, index: int, samples: int) -> list[float]:
-    """``count`` sorted depths: stratified over the samples for one, uniform draws for several."""
+def _depths(rng: random.Random, count: int, stratum: int, samples: int) -> list[float]:
+    """``count`` sorted depths: one in the sample's stratum of ``[0, 1)``, or uniform draws for several."""
     if count == 1:
-        return [(index + rng.random()) / samples]
+        return [(stratum + rng.random()) / samples]
     return sorted(rng.random() for _ in range(count))
 
 
@@ -221,7 +227,7 @@ class Niah:
     num_values: int = 1  # values of the asked key
     num_queries: int = 1  # keys asked
 
-    def draft(self, src: Sources, rng: random.Random, index: int, samples: int, length: int) -> _Draft:
+    def draft(self, src: Sources, rng: random.Random, stratum: int, samples: int, length: int) -> _Draft:
         kind, kinds = ("number", "numbers") if self.values == "numbers" else ("UUID", "UUIDs")
         taken: set[str] = set()
         make_key = (lambda: _word_key(rng, src.words)) if self.keys == "words" else (lambda: _uuid(rng))
@@ -232,7 +238,7 @@ class Niah:
         order = list(range(len(needles)))
         rng.shuffle(order)
         needles = [needles[i] for i in order]
-        depths = _depths(rng, len(needles), index, samples)
+        depths = _depths(rng, len(needles), stratum, samples)
         asked = keys[: self.num_queries]
         answers = tuple(value for key in asked for value in values[key])
         if self.haystack == "needles":
@@ -281,11 +287,11 @@ def _listing(items: Sequence[str]) -> str:
 class VariableTracking:
     hops: int = 4
 
-    def draft(self, src: Sources, rng: random.Random, index: int, samples: int, length: int) -> _Draft:
+    def draft(self, src: Sources, rng: random.Random, stratum: int, samples: int, length: int) -> _Draft:
         names = _distinct(lambda: "".join(rng.choices(string.ascii_uppercase, k=5)), self.hops + 1)
         value = str(rng.randrange(10_000, 100_000))
         links = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(names)]
-        depths = _depths(rng, len(links), index, samples)
+        depths = _depths(rng, len(links), stratum, samples)
         intro = (
             "Variables are assigned values in the text below, some directly and some through other variables. "
             "Follow every assignment: you will be asked which variables hold a given value."
@@ -315,16 +321,17 @@ class CommonWords:
         half of ``length`` (about four tokens a list line), never below ``rare_freq + 2``."""
         return max(self.rare_freq + 2, min(self.common_freq, length // (8 * self.common)))
 
-    def draft(self, src: Sources, rng: random.Random, index: int, samples: int, length: int) -> _Draft:
+    def draft(self, src: Sources, rng: random.Random, stratum: int, samples: int, length: int) -> _Draft:
         pool = list(src.words)
         rng.shuffle(pool)
         common, rare = pool[: self.common], pool[self.common :]
         freq = self.frequency(length)
+        order = rng.random()  # (the list's order)
 
         def build(n: int) -> str:
             words = [w for w in common for _ in range(freq)]
             words += [w for w in rare[:n] for _ in range(self.rare_freq)]
-            random.Random(index).shuffle(words)
+            random.Random(order).shuffle(words)
             listed = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(words))
             return "Below is a numbered list of words. Some words appear many times.\n\n" + listed
 
@@ -345,7 +352,7 @@ class FrequentWords:
     vocab: int = 600
     top: int = 3
 
-    def draft(self, src: Sources, rng: random.Random, index: int, samples: int, length: int) -> _Draft:
+    def draft(self, src: Sources, rng: random.Random, stratum: int, samples: int, length: int) -> _Draft:
         coded = _distinct(lambda: "".join(rng.choices(string.ascii_lowercase, k=rng.randint(4, 7))), self.vocab)
         weights = [(rank + 1) ** -self.alpha for rank in range(self.vocab)]
         draws = rng.choices(coded, weights, k=1 << 16)
@@ -379,13 +386,13 @@ class _Tie(Exception):
 
 @dataclass(frozen=True)
 class ReadingQA:
-    def draft(self, src: Sources, rng: random.Random, index: int, samples: int, length: int) -> _Draft:
+    def draft(self, src: Sources, rng: random.Random, stratum: int, samples: int, length: int) -> _Draft:
         if len(src.reading) < 2:
             raise ValueError("the qa task needs reading-comprehension items (kvsieve data fetches squad_shifts)")
         golden = src.reading[rng.randrange(len(src.reading))]
         others = list(dict.fromkeys(item.passage for item in src.reading if item.passage != golden.passage))
         rng.shuffle(others)
-        depth = (index + rng.random()) / samples
+        depth = (stratum + rng.random()) / samples
 
         def build(n: int) -> str:
             passages = _insert(others[:n], [golden.passage], [depth])
@@ -454,11 +461,13 @@ def generate_samples(
         raise ValueError(f"unknown RULER task {task!r}; tasks: {', '.join(TASKS)}")
     if samples <= 0:
         raise ValueError(f"samples must be positive, got {samples}")
+    strata = list(range(samples))
+    random.Random(f"{seed}/{task}/{length}/strata").shuffle(strata)
     out = []
     for index in range(samples):
         rng = random.Random(f"{seed}/{task}/{length}/{index}")
         while True:
-            draft = TASKS[task].draft(sources, rng, index, samples, length)
+            draft = TASKS[task].draft(sources, rng, strata[index], samples, length)
             units, tokens = _fit(draft, prompter, length)
             try:
                 answers = draft.answers(units)
