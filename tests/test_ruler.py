@@ -588,3 +588,14 @@ def test_cli_quick_grid_then_report_only(tmp_path, capsys, monkeypatch) -> None:
     assert json.loads(capsys.readouterr().out)["rows"] == result["rows"]
     assert main(["ruler", "--out", str(out), "--compressions", "1.5", "--json"]) == 2  # (one line, nothing run)
     assert "error" in json.loads(capsys.readouterr().out)
+
+
+def test_the_long_context_page_shows_what_its_data_says() -> None:
+    from pathlib import Path
+
+    from kvsieve.ruler.report import fill_summaries
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "long-context.md").read_text()
+    assert "<!-- ruler-summary: " in page
+    assert fill_summaries(page, root) == page, "run: python -m kvsieve.ruler.report docs/long-context.md"

@@ -7,7 +7,9 @@ markdown holds per length the full cache's score per task (the ceiling), then pe
 over tasks of each policy at each compression (its standard error: that of a mean of the task means, √Σse²/T) with
 the full cache's average as the ceiling, then per compression a task × policy table. Plots (``plots/``): the
 average score against the compression, one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``);
-a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``).
+a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``). A documentation page
+embeds a grid's summary tables between markers that :func:`fill_summaries` renders from the cell files
+(``python -m kvsieve.ruler.report PAGE.md``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +27,7 @@ from typing import Any
 from kvsieve.evaluation.plots import pyplot, save_figure
 from kvsieve.ruler.scoring import mean_and_stderr
 
-__all__ = ["collect", "markdown", "summary", "write_report"]
+__all__ = ["collect", "fill_summaries", "markdown", "summary", "write_report"]
 
 FIELDS = (
     "task",
@@ -106,18 +110,20 @@ def _ceiling(rows: Sequence[dict[str, Any]], length: int, tasks: Sequence[str]) 
     return {r["task"]: r for r in rows if r["policy"] == "full" and r["length"] == length and r["task"] in tasks}
 
 
-def summary(rows: Sequence[dict[str, Any]]) -> str:
-    """The average tables alone (what ``kvsieve ruler`` prints)."""
-    return markdown(rows, title="", per_task=False)
+def summary(rows: Sequence[dict[str, Any]], level: int = 2) -> str:
+    """The average tables alone (what ``kvsieve ruler`` prints), under headings of ``level``."""
+    return markdown(rows, title="", per_task=False, level=level)
 
 
-def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: bool = True) -> str:
-    """The report's tables (see the module docstring); ``per_task=False``: the average tables only."""
-    lines = [f"# {title}", ""] if title else []
+def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: bool = True, level: int = 2) -> str:
+    """The report's tables (see the module docstring) under headings of ``level`` (the title one above);
+    ``per_task=False``: the average tables only."""
+    h = "#" * level
+    lines = [f"{h[1:]} {title}", ""] if title else []
     for length in sorted({r["length"] for r in rows if r["policy"] == "full"}):
         full = sorted((r for r in rows if r["policy"] == "full" and r["length"] == length), key=lambda r: r["task"])
         mean, se = _average(full)
-        lines += [f"## {length} tokens, the full cache (the ceiling)", ""]
+        lines += [f"{h} {length} tokens, the full cache (the ceiling)", ""]
         lines += ["| " + " | ".join(["task", *(r["task"] for r in full), "average"]) + " |"]
         lines += ["|---|" + "---:|" * (len(full) + 1)]
         lines += ["| score % | " + " | ".join(f"{r['score']:.0f} ± {r['stderr']:.0f}" for r in full)]
@@ -128,7 +134,7 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
         compressions = sorted({r["compression"] for r in group})
         policies = list(dict.fromkeys(r["policy"] for r in group))
         full = _ceiling(rows, length, tasks)
-        lines += [f"## {length} tokens, question-{protocol}", ""]
+        lines += [f"{h} {length} tokens, question-{protocol}", ""]
         lines += [f"Average over {len(tasks)} task(s) ({', '.join(tasks)}), score % ± standard error.", ""]
         lines += ["| policy | " + " | ".join(f"{c:g}" for c in compressions) + " |"]
         lines += ["|---|" + "---:|" * len(compressions)]
@@ -142,7 +148,7 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
                 cells.append(f"{_average(got)[0]:.1f} ± {_average(got)[1]:.1f}" if len(got) == len(tasks) else "–")
             lines += [f"| {policy} | " + " | ".join(cells) + " |"]
         for c in compressions if per_task else ():
-            lines += ["", f"### compression {c:g} (per task)", ""]
+            lines += ["", f"{h}# compression {c:g} (per task)", ""]
             lines += ["| policy | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
             table = {"full": full} | {
                 p: {r["task"]: r for r in group if r["policy"] == p and r["compression"] == c} for p in policies
@@ -175,6 +181,7 @@ def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
                 ax.plot(*zip(*points, strict=True), marker="o", label=policy)
         if len(full) == len(tasks):
             ax.axhline(_average(list(full.values()))[0], color="black", linestyle="--", label="full")
+        ax.set_ylim(0, 100)
         ax.set_xlabel("compression (share of tokens dropped)")
         ax.set_ylabel(f"average score over {len(tasks)} task(s) (%)")
         ax.set_title(f"RULER {length} tokens, question-{protocol}")
@@ -208,3 +215,17 @@ def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
             ax.set_title(f"RULER {length} tokens, question-{protocol}, compression {c:g}")
             paths.append(str(save_figure(fig, folder / f"tasks_{length}_{protocol}_c{c:g}.png")))
     return paths
+
+
+_BLOCK = re.compile(r"(<!-- ruler-summary: (\S+) -->\n)(.*?)(<!-- /ruler-summary -->)", re.S)
+
+
+def fill_summaries(text: str, root: str | Path = ".") -> str:
+    """``text`` with each ``<!-- ruler-summary: DIR -->`` … ``<!-- /ruler-summary -->`` block holding the summary
+    tables of the grid in ``root/DIR`` (:func:`summary`): a page's figures rendered from the cell files."""
+    return _BLOCK.sub(lambda m: m[1] + summary(collect(Path(root, m[2])), level=4) + m[4], text)
+
+
+if __name__ == "__main__":  # python -m kvsieve.ruler.report PAGE.md ...: render the summaries of these pages in place
+    for page in sys.argv[1:]:
+        Path(page).write_text(fill_summaries(Path(page).read_text()))
