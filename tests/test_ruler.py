@@ -590,12 +590,13 @@ def test_cli_quick_grid_then_report_only(tmp_path, capsys, monkeypatch) -> None:
     assert "error" in json.loads(capsys.readouterr().out)
 
 
-def test_the_long_context_page_shows_what_its_data_says() -> None:
+@pytest.mark.parametrize("page", ["docs/long-context.md", "README.md"])
+def test_pages_show_what_their_data_says(page) -> None:
     from pathlib import Path
 
     from kvsieve.ruler.report import fill_summaries
 
     root = Path(__file__).resolve().parents[1]
-    page = (root / "docs" / "long-context.md").read_text()
-    assert "<!-- ruler-summary: " in page
-    assert fill_summaries(page, root) == page, "run: python -m kvsieve.ruler.report docs/long-context.md"
+    text = (root / page).read_text()
+    assert "<!-- ruler-summary: " in text
+    assert fill_summaries(text, root) == text, f"run: python -m kvsieve.ruler.report {page}"
