@@ -319,13 +319,21 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
+    """With ``--ray`` the samples are Ray tasks, each with ``--cpus-per-cell`` threads (``--threads`` is refused), on
+    the workers' ``--device``; this process loads the model on the CPU for its tokenizer (the samples' lengths and
+    prompts). Samples that failed on Ray: the report of the rest is written, then a one-line error names them."""
     import torch
 
     from kvsieve.evaluation.defaults import QUESTION_MODES
+    from kvsieve.models import load_model
     from kvsieve.ruler import run
     from kvsieve.ruler.report import write_report
 
     quick = run.QUICK if args.quick else {}
+    ray = _ray_options(args)
+    if ray is not None and args.threads:
+        raise ValueError("with Ray, each sample is a task with --cpus-per-cell threads: give --threads without it")
+    failed = None
     if not args.report:
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -337,26 +345,37 @@ def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
         )
         tasks = args.tasks or list(run.TASKS)
         haystack = run.haystack_name(args.file)  # (a missing --file fails before the model loads)
-        model, tokenizer = _load(args)
-        run.run_ruler(
-            model,
-            tokenizer,
-            args.out,
-            lambda: run.sources(args.file, with_reading="qa" in tasks),
-            run.GridSettings(
-                model=args.model,
-                dtype=str(model.dtype).removeprefix("torch."),
-                seed=args.seed,
-                haystack=haystack,
-                chat_template=not args.no_chat_template,
-            ),
-            tasks=tasks,
-            lengths=args.lengths or quick.get("lengths", run.DEFAULT_LENGTHS),
-            settings=settings,
-            samples=args.samples or quick.get("samples", run.DEFAULT_SAMPLES),
-            progress=not args.json,
+        model, tokenizer = load_model(args.model, device="cpu" if ray is not None else args.device, dtype=args.dtype)
+        grid = run.GridSettings(
+            model=args.model,
+            dtype=str(model.dtype).removeprefix("torch."),
+            seed=args.seed,
+            haystack=haystack,
+            chat_template=not args.no_chat_template,
         )
-    return write_report(args.out, title=f"RULER, {args.model}")
+        if ray is not None:
+            model = None  # (this process answers nothing: its weights are freed, the workers load their own)
+        try:
+            run.run_ruler(
+                model,
+                tokenizer,
+                args.out,
+                lambda: run.sources(args.file, with_reading="qa" in tasks),
+                grid,
+                tasks=tasks,
+                lengths=args.lengths or quick.get("lengths", run.DEFAULT_LENGTHS),
+                settings=settings,
+                samples=args.samples or quick.get("samples", run.DEFAULT_SAMPLES),
+                progress=not args.json,
+                ray=ray,
+                device=args.device,
+            )
+        except run.SamplesFailed as err:
+            failed = err
+    result = write_report(args.out, title=f"RULER, {args.model}")
+    if failed is not None:
+        raise ValueError(str(failed))
+    return result
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:

@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Needle-in-a-haystack (single, multi-key, multi-value, multi-query), variable tracking, "
         "common- and frequent-word extraction and single-document QA, generated from a seed at lengths counted with "
         "the model's tokenizer; each policy at each compression (share of tokens dropped) under the question-agnostic "
-        "and question-aware protocols, the full cache as the ceiling. Resumable: finished answers in --out are kept.",
+        "and question-aware protocols, the full cache as the ceiling. Resumable: finished answers in --out are kept. "
+        "With --ray, each sample (under the settings it still lacks) is one Ray task: a cell of the --ray options.",
     )
     _common(p)
     p.add_argument("--out", required=True, help="output directory (finished answers in it are not recomputed)")
@@ -350,9 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a small grid: 1024 tokens, 2 samples, full h2o snapkv streaming_llm at 0.5 (flags given still apply)",
     )
-    p.add_argument("--threads", type=POSITIVE_INT, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=POSITIVE_INT, help="torch threads (default: torch's; not with --ray)")
     p.add_argument("--report", action="store_true", help="compute nothing: the report of the finished answers")
     _quant_args(p)
+    _ray_args(p)
 
     p = sub.add_parser(
         "serve",

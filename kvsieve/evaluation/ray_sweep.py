@@ -7,6 +7,7 @@ cells finish, and it writes the cell files (:func:`~kvsieve.evaluation.sweep.run
 shared disk, but the same Python environment with kvsieve, the model and its data. A task that raises or whose
 worker dies (killed, out of memory) is retried ``max_retries`` times, then its cell is stored with the error.
 Leaving early (Ctrl-C) cancels the outstanding tasks; the finished cells stay stored.
+The submit-and-collect loop, :func:`ray_tasks`, is shared with ``kvsieve ruler --ray`` (:mod:`kvsieve.ruler.run`).
 
 Ray is an optional dependency: ``pip install 'kvsieve[ray]'``.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -96,10 +98,13 @@ def _slots(ray: ModuleType, options: RayOptions) -> int:
     return int(slots)
 
 
-def ray_cells(
-    todo: Sequence[Cell], settings: Settings, device: str | None, options: RayOptions, progress: Progress
-) -> Iterator[Finished]:
-    """Submit every cell of ``todo`` as a task and yield each as it finishes (a failed one with its error)."""
+def ray_tasks(
+    function: Callable[..., Any], calls: Sequence[tuple[Any, ...]], options: RayOptions, running: Callable[[int], None]
+) -> Iterator[tuple[int, Any, BaseException | None]]:
+    """``function(*args)`` for every ``args`` of ``calls``, each a task with ``options``' resources and retries, yielded
+    as they finish: ``(index in calls, value, None)``, or ``(index, None, error)`` for a task that failed after its
+    retries (its exception, or Ray's error where its worker died). ``running(n)``: about ``n`` tasks run now. Leaving
+    early (Ctrl-C, ``close()``) cancels the outstanding tasks."""
     ray = require_ray()
     connect(options)
     task = ray.remote(
@@ -107,20 +112,30 @@ def ray_cells(
         num_gpus=options.gpus_per_cell,
         max_retries=options.max_retries,
         retry_exceptions=True,
-        max_calls=0,  # (Ray's default for GPU tasks is a new worker per task: the model would load per cell)
-    )(_run_cell)
-    pending = {task.remote(settings, device, options.threads, cell): cell for cell in todo}
+        max_calls=0,  # (Ray's default for GPU tasks is a new worker per task: the model would load per task)
+    )(function)
+    pending = {task.remote(*args): index for index, args in enumerate(calls)}
     try:
         while pending:
-            progress.show_running(min(len(pending), _slots(ray, options)))
+            running(min(len(pending), _slots(ray, options)))
             (ref,), _ = ray.wait(list(pending), num_returns=1)
-            cell = pending.pop(ref)
+            index = pending.pop(ref)
             try:
-                result, seconds, node = ray.get(ref)
+                value, error = ray.get(ref), None
             except ray.exceptions.RayError as err:
-                cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause else err
-                result, seconds, node = error_result(cause), 0.0, None
-            yield cell, result, seconds, node
+                value, error = None, err.cause if isinstance(err, ray.exceptions.RayTaskError) and err.cause else err
+            yield index, value, error
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
+
+
+def ray_cells(
+    todo: Sequence[Cell], settings: Settings, device: str | None, options: RayOptions, progress: Progress
+) -> Iterator[Finished]:
+    """Submit every cell of ``todo`` as a task and yield each as it finishes (a failed one with its error)."""
+    calls = [(settings, device, options.threads, cell) for cell in todo]
+    with closing(ray_tasks(_run_cell, calls, options, progress.show_running)) as finished:
+        for index, value, error in finished:
+            result, seconds, node = value if error is None else (error_result(error), 0.0, None)
+            yield todo[index], result, seconds, node

@@ -19,6 +19,14 @@ identical prompts), ``cells/<task>_<length>_<setting>.json`` (each sample's answ
 settings they were computed with: a cell computed with other settings is computed again), and the report
 (:mod:`kvsieve.ruler.report`). The loop runs sample by sample, every setting of a sample in turn, and a cell file is
 rewritten after each answer: an interrupted run loses at most one answer and a rerun computes only what is missing.
+
+**On Ray** (``kvsieve ruler --ray [ADDRESS]``; :mod:`kvsieve.evaluation.ray_sweep` for the options and the cluster):
+this process makes or reads the samples and their prompt tokens, then each sample with settings still to answer is
+one task that answers it under those settings (:func:`answer`, as in this process) and returns its answers; this
+process writes them into the cell files as the tasks finish. A worker loads the grid's model (``grid.model``: a
+built-in name or a local directory, which the nodes need as for a sweep) in ``grid.dtype`` once per process. A
+sample whose task still fails after its retries stores nothing (a rerun computes it): the others are written, then
+:class:`SamplesFailed` names the failed ones.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -43,10 +52,15 @@ from kvsieve.policies import REGISTRY, get_policy
 from kvsieve.ruler.scoring import score
 from kvsieve.ruler.tasks import GENERATOR, TASKS, Prompter, Sample, Sources, generate_samples, sentences, vocabulary
 
+if TYPE_CHECKING:
+    from kvsieve.evaluation.ray_sweep import RayOptions
+
 __all__ = [
     "MAX_NEW_TOKENS",
     "GridSettings",
+    "SamplesFailed",
     "Setting",
+    "answer",
     "default_policies",
     "grid_settings",
     "haystack_name",
@@ -222,6 +236,55 @@ def predict(
     return text, n, (streamer.at or end) - start, end - start
 
 
+def answer(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sample: Sample,
+    prompt: tuple[Sequence[int], Sequence[int]],
+    settings: Sequence[Setting],
+) -> Iterator[tuple[Setting, dict[str, Any]]]:
+    """``sample``'s answers to its ``prompt`` (context part, question part) under each of ``settings`` in turn, each
+    as a cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike."""
+    for setting in settings:
+        text, n, first, total_s = predict(model, tokenizer, *prompt, setting, max_new_tokens(sample.task))
+        yield setting, asdict(Prediction(text, score(sample.task, text, sample.answers), n, first, total_s))
+
+
+@functools.lru_cache(maxsize=1)
+def _worker_model(name: str, dtype: str, device: str | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A Ray worker's model and tokenizer, loaded once per process (its tasks share them)."""
+    from kvsieve.models import load_model
+
+    return load_model(name, device=device, dtype=dtype)
+
+
+def _sample_task(
+    grid: GridSettings,
+    device: str | None,
+    threads: int,
+    sample: Sample,
+    prompt: tuple[Sequence[int], Sequence[int]],
+    settings: Sequence[Setting],
+) -> dict[str, dict[str, Any]]:
+    """A Ray task: setting key → ``sample``'s answer (see :func:`answer`), on the grid's model."""
+    torch.set_num_threads(threads)
+    model, tokenizer = _worker_model(grid.model, grid.dtype, device)
+    return {setting.key: p for setting, p in answer(model, tokenizer, sample, prompt, settings)}
+
+
+class SamplesFailed(RuntimeError):
+    """Samples whose Ray task failed after its retries: nothing is stored for them (a rerun computes them)."""
+
+    def __init__(self, failed: Sequence[tuple[Sample, BaseException]]) -> None:
+        names = ", ".join(f"{sample.task} {sample.length} #{sample.index}" for sample, _ in failed)
+        error = failed[0][1]
+        super().__init__(
+            f"{len(failed)} sample(s) failed after their retries, nothing stored for them (a rerun computes them): "
+            f"{names}; the first error: {type(error).__name__}: {error}"
+        )
+        self.failed = list(failed)
+
+
 @dataclass
 class _Cell:
     path: Path
@@ -274,7 +337,7 @@ def samples_for(
 
 
 def run_ruler(
-    model: PreTrainedModel,
+    model: PreTrainedModel | None,
     tokenizer: PreTrainedTokenizerBase,
     out: str | Path,
     sources: Callable[[], Sources],
@@ -284,10 +347,14 @@ def run_ruler(
     settings: Sequence[Setting] = (FULL,),
     samples: int = DEFAULT_SAMPLES,
     progress: bool = True,
+    ray: RayOptions | None = None,
+    device: str | None = None,
 ) -> Path:
     """Answer every sample of every ``(task, length)`` under every setting not stored yet in ``out`` (see the module
     docstring); the directory. ``sources()`` gives what samples are made of, called once if samples are to be made
-    (stored samples need none)."""
+    (stored samples need none). ``ray``: answer the samples as Ray tasks on ``grid.model`` loaded on ``device`` by
+    each worker (``model`` is unused, may be None); raises :class:`SamplesFailed` after the others are stored if
+    samples failed."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; tasks: {', '.join(TASKS)}")
@@ -304,22 +371,60 @@ def run_ruler(
             here = stored | {"task": task, "length": length}
             cells = {s: _Cell.open(out / "cells" / f"{task}_{length}_{s.key}.json", here | asdict(s)) for s in settings}
             todo.append((task, length, cells))
-    total = sum(samples - len(c.predictions) for *_, cells in todo for c in cells.values())
-    with tqdm(total=total, desc="ruler", unit="answer", disable=not progress) as bar:
+
+    def units() -> Iterator[tuple[Sample, tuple[list[int], list[int]], dict[Setting, _Cell]]]:
+        """Each sample with settings still to answer: the sample, its prompt tokens, the cells lacking it (samples
+        are made or read one ``(task, length)`` at a time, as they are reached)."""
         for task, length, cells in todo:
             if all(len(c.predictions) >= samples for c in cells.values()):
                 continue
-            made = samples_for(out, task, length, samples, prompter, sources, grid)
-            for sample in made:
-                head, tail = prompter.ids(sample.context, sample.question, sample.answer_prefix)
-                for setting, cell in cells.items():
-                    if sample.index in cell.predictions:
-                        continue
-                    bar.set_postfix_str(f"{task} {length} {setting.key} #{sample.index}")
-                    text, n, first, total_s = predict(model, tokenizer, head, tail, setting, max_new_tokens(task))
-                    cell.predictions[sample.index] = asdict(
-                        Prediction(text, score(task, text, sample.answers), n, first, total_s)
-                    )
-                    cell.write()
+            for sample in samples_for(out, task, length, samples, prompter, sources, grid):
+                lacking = {s: c for s, c in cells.items() if sample.index not in c.predictions}
+                if lacking:
+                    yield sample, prompter.ids(sample.context, sample.question, sample.answer_prefix), lacking
+
+    total = sum(samples - len(c.predictions) for *_, cells in todo for c in cells.values())
+    with tqdm(total=total, desc="ruler", unit="answer", disable=not progress) as bar:
+        if ray is None:
+            for sample, prompt, cells in units():
+                bar.set_postfix_str(f"{sample.task} {sample.length} #{sample.index}")
+                for setting, prediction in answer(model, tokenizer, sample, prompt, list(cells)):
+                    cells[setting].predictions[sample.index] = prediction
+                    cells[setting].write()
                     bar.update()
+        else:
+            _answer_on_ray(list(units()), grid, device, ray, bar)
     return out
+
+
+def _answer_on_ray(
+    units: Sequence[tuple[Sample, tuple[list[int], list[int]], dict[Setting, _Cell]]],
+    grid: GridSettings,
+    device: str | None,
+    options: RayOptions,
+    bar: tqdm,
+) -> None:
+    """Each unit (sample, prompt, cells lacking it) as one Ray task; its answers written into its cells as it
+    finishes; :class:`SamplesFailed` at the end if tasks failed."""
+    from kvsieve.evaluation import ray_sweep
+
+    if not units:
+        return  # (no Ray is started for a complete grid)
+    calls = [(grid, device, options.threads, sample, prompt, list(cells)) for sample, prompt, cells in units]
+    failed: list[tuple[Sample, BaseException]] = []
+
+    def running(n: int) -> None:
+        bar.set_postfix(running=n, failed=len(failed))
+
+    with closing(ray_sweep.ray_tasks(_sample_task, calls, options, running)) as finished:
+        for index, answers, error in finished:
+            sample, _, cells = units[index]
+            if error is not None:
+                failed.append((sample, error))
+                continue
+            for setting, cell in cells.items():
+                cell.predictions[sample.index] = answers[setting.key]
+                cell.write()
+            bar.update(len(cells))
+    if failed:
+        raise SamplesFailed(failed)
