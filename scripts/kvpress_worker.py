@@ -30,6 +30,9 @@ before the question (kvpress's ``kv-press-text-generation`` pipeline with the pr
 kvsieve's ``compress`` with the policy spec at ``budget`` tokens, ``"full"``: nothing evicted, then ``ask``), greedy.
 Answer: ``answer`` (the decoded text, stripped), ``tokens`` (the answer's token ids, an EOS included: the greedy
 token of each forward pass of the LM after the context's), ``context_ids`` and ``question_ids`` (what was fed).
+
+RULER (``scripts/kvpress_ruler.py``) needs the same setup line, then ``{"do": "ruler", ...}``: one sample given as
+token ids, answered by that script's ``answer_sample`` (see there).
 """
 
 from __future__ import annotations
@@ -307,7 +310,11 @@ class Worker:
             case "ask":
                 keys = ("method", "context", "question", "budget", "max_new_tokens")
                 return self.side.ask(*(command[key] for key in keys))
-        raise ValueError(f"unknown command {command['do']!r}; expected start, step, finish or ask")
+            case "ruler":
+                from kvpress_ruler import answer_sample  # (scripts/kvpress_ruler.py: a RULER sample, by ids)
+
+                return answer_sample(self.name, self.model, command)
+        raise ValueError(f"unknown command {command['do']!r}; expected start, step, finish, ask or ruler")
 
 
 def serve(lines: Iterable[str], out: TextIO) -> None:
