@@ -1,0 +1,97 @@
+"""Where the time and memory of a RULER answer go on this machine: prefill, compression, answer; fp32 vs bf16.
+
+    python scripts/ruler_cost.py --model qwen2.5-coder-0.5b --lengths 4096 --dtypes float32 bfloat16
+    python scripts/ruler_cost.py --model qwen2.5-coder-0.5b --lengths 16384 32768 --policies full h2o
+
+Each (length, dtype) runs in a fresh process (so that its peak resident memory is its own): one ``niah_single_2``
+sample of the length (seed 0, the built-in articles) answered greedily under each policy at ``--compression``, the
+question-agnostic protocol (``kvsieve.ruler.run.predict``): ``first_token_s`` is the context's forward pass with the
+policy's observation and eviction (the full cache: none) plus the question part's, ``answer_s`` the decoding of the
+``tokens`` after the first; each policy answers a short prompt first, so that no compilation or warm-up is timed.
+``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON with the
+host's CPU flags, threads and versions (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def measure(model_name: str, length: int, dtype: str, policies: list[str], compression: float) -> dict:
+    import kvsieve
+    from kvsieve.ruler import run
+    from kvsieve.ruler.tasks import Prompter, generate_samples
+
+    model, tokenizer = kvsieve.load_model(model_name, dtype=dtype)
+    prompter = Prompter(tokenizer)
+    (sample,) = generate_samples("niah_single_2", length, 1, prompter, run.sources(with_reading=False), seed=0)
+    head, tail = prompter.ids(sample.context, sample.question, sample.answer_prefix)
+    rows = []
+    for policy in policies:
+        setting = run.FULL if policy == "full" else run.Setting("agnostic", policy, compression)
+        run.predict(model, tokenizer, head[:256], tail, setting, 2)  # (warm-up: compiled kernels are not timed)
+        text, tokens, first_s, total_s = run.predict(model, tokenizer, head, tail, setting, 32)
+        rows.append(
+            {
+                "policy": policy,
+                "first_token_s": round(first_s, 2),
+                "answer_s": round(total_s - first_s, 2),
+                "tokens": tokens,
+                "correct": sample.answers[0] in text,
+            }
+        )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
+    return {"length": len(head) + len(tail), "dtype": dtype, "peak_rss_gib": round(peak, 2), "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--policies", nargs="+", default=["full", "h2o", "snapkv", "streaming_llm", "tova"])
+    parser.add_argument("--compression", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        length, dtype = args.child.split(",")
+        torch.set_num_threads(args.threads)
+        result = measure(args.model, int(length), dtype, args.policies, args.compression)
+        print(json.dumps(result))
+        return
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    host = {
+        "cpu": platform.processor() or platform.machine(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "avx2": "avx2" in flags,
+        "threads": args.threads,
+        "torch": torch.__version__,
+    }
+    results = []
+    for length in args.lengths:
+        for dtype in args.dtypes:
+            cmd = [sys.executable, __file__, "--child", f"{length},{dtype}", "--threads", str(args.threads)]
+            cmd += ["--model", args.model, "--policies", *args.policies, "--compression", str(args.compression)]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            results.append(result)
+            print(f"{result['length']} tokens, {dtype}: peak RSS {result['peak_rss_gib']} GiB")
+            for row in result["rows"]:
+                print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"model": args.model, "host": host, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
