@@ -21,6 +21,7 @@ import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,17 +98,51 @@ def write_report(out: str | Path, title: str = "RULER") -> dict[str, Any]:
     return {"rows": rows, "files": [str(out / n) for n in ("results.json", "results.csv", "results.md")] + plots}
 
 
-def _groups(rows: Sequence[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    """(length, protocol) → its bounded rows (the full rows belong to both protocols)."""
+@dataclass
+class _Section:
+    """The rows of one (length, protocol), indexed once for the tables and the plots."""
+
+    length: int
+    protocol: str
+    tasks: list[str]
+    compressions: list[float]
+    policies: list[str]
+    full: dict[str, dict[str, Any]]
+    """Task → the full cache's row (the ceiling; it belongs to both protocols)."""
+    cells: dict[tuple[str, float], dict[str, dict[str, Any]]]
+    """(policy, compression) → task → row."""
+
+    def by_task(self, policy: str, compression: float) -> dict[str, dict[str, Any]]:
+        """Task → row of ``policy`` at ``compression`` (``full``: the ceiling)."""
+        return self.full if policy == "full" else self.cells.get((policy, compression), {})
+
+    def average(self, policy: str, compression: float = 0.0) -> tuple[float, float] | None:
+        """The average over the tasks and its standard error, or None unless every task has a row."""
+        got = self.by_task(policy, compression)
+        return _average(list(got.values())) if len(got) == len(self.tasks) else None
+
+
+def _sections(rows: Sequence[dict[str, Any]]) -> list[_Section]:
+    """One section per (length, protocol) of the bounded rows, in order."""
     groups: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         if row["policy"] != "full":
             groups[(row["length"], row["protocol"])].append(row)
-    return dict(sorted(groups.items()))
+    sections = []
+    for (length, protocol), group in sorted(groups.items()):
+        tasks = sorted({r["task"] for r in group})
+        cells: dict[tuple[str, float], dict[str, dict[str, Any]]] = defaultdict(dict)
+        for r in group:
+            cells[(r["policy"], r["compression"])][r["task"]] = r
+        full = {r["task"]: r for r in rows if r["policy"] == "full" and r["length"] == length and r["task"] in tasks}
+        compressions = sorted({r["compression"] for r in group})
+        policies = list(dict.fromkeys(r["policy"] for r in group))
+        sections.append(_Section(length, protocol, tasks, compressions, policies, full, dict(cells)))
+    return sections
 
 
-def _ceiling(rows: Sequence[dict[str, Any]], length: int, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
-    return {r["task"]: r for r in rows if r["policy"] == "full" and r["length"] == length and r["task"] in tasks}
+def _mean_text(average: tuple[float, float] | None) -> str:
+    return "–" if average is None else f"{average[0]:.1f} ± {average[1]:.1f}"
 
 
 def summary(rows: Sequence[dict[str, Any]], level: int = 2) -> str:
@@ -129,33 +164,27 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
         lines += ["| score % | " + " | ".join(f"{r['score']:.0f} ± {r['stderr']:.0f}" for r in full)]
         lines[-1] += f" | {mean:.1f} ± {se:.1f} |"
         lines += ["| samples | " + " | ".join(str(r["samples"]) for r in full) + " | |", ""]
-    for (length, protocol), group in _groups(rows).items():
-        tasks = sorted({r["task"] for r in group})
-        compressions = sorted({r["compression"] for r in group})
-        policies = list(dict.fromkeys(r["policy"] for r in group))
-        full = _ceiling(rows, length, tasks)
-        lines += [f"{h} {length} tokens, question-{protocol}", ""]
-        lines += [f"Average over {len(tasks)} task(s) ({', '.join(tasks)}), score % ± standard error.", ""]
-        lines += ["| policy | " + " | ".join(f"{c:g}" for c in compressions) + " |"]
-        lines += ["|---|" + "---:|" * len(compressions)]
-        if len(full) == len(tasks):
-            mean, se = _average(list(full.values()))
-            lines += ["| full (ceiling) | " + " | ".join(f"{mean:.1f} ± {se:.1f}" for _ in compressions) + " |"]
-        for policy in policies:
-            cells = []
-            for c in compressions:
-                got = [r for r in group if r["policy"] == policy and r["compression"] == c]
-                cells.append(f"{_average(got)[0]:.1f} ± {_average(got)[1]:.1f}" if len(got) == len(tasks) else "–")
+    for sec in _sections(rows):
+        lines += [f"{h} {sec.length} tokens, question-{sec.protocol}", ""]
+        lines += [f"Average over {len(sec.tasks)} task(s) ({', '.join(sec.tasks)}), score % ± standard error.", ""]
+        lines += ["| policy | " + " | ".join(f"{c:g}" for c in sec.compressions) + " |"]
+        lines += ["|---|" + "---:|" * len(sec.compressions)]
+        if (ceiling := sec.average("full")) is not None:
+            lines += [
+                "| full (ceiling) | " + " | ".join(f"{ceiling[0]:.1f} ± {ceiling[1]:.1f}" for _ in sec.compressions)
+            ]
+            lines[-1] += " |"
+        for policy in sec.policies:
+            cells = [_mean_text(sec.average(policy, c)) for c in sec.compressions]
             lines += [f"| {policy} | " + " | ".join(cells) + " |"]
-        for c in compressions if per_task else ():
+        for c in sec.compressions if per_task else ():
             lines += ["", f"{h}# compression {c:g} (per task)", ""]
-            lines += ["| policy | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
-            table = {"full": full} | {
-                p: {r["task"]: r for r in group if r["policy"] == p and r["compression"] == c} for p in policies
-            }
-            for policy, by_task in table.items():
+            lines += ["| policy | " + " | ".join(sec.tasks) + " |", "|---|" + "---:|" * len(sec.tasks)]
+            for policy in ["full", *sec.policies]:
+                by_task = sec.by_task(policy, c)
                 cells = [
-                    f"{by_task[t]['score']:.0f} ± {by_task[t]['stderr']:.0f}" if t in by_task else "–" for t in tasks
+                    f"{by_task[t]['score']:.0f} ± {by_task[t]['stderr']:.0f}" if t in by_task else "–"
+                    for t in sec.tasks
                 ]
                 lines += [f"| {policy} | " + " | ".join(cells) + " |"]
         lines += [""]
@@ -164,56 +193,35 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
 
 def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
     paths = []
-    for (length, protocol), group in _groups(rows).items():
-        tasks = sorted({r["task"] for r in group})
-        compressions = sorted({r["compression"] for r in group})
-        policies = list(dict.fromkeys(r["policy"] for r in group))
-        full = _ceiling(rows, length, tasks)
-        plt = pyplot()
+    plt = pyplot()
+    for sec in _sections(rows):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for policy in policies:
-            points = [
-                (c, _average(got)[0])
-                for c in compressions
-                if len(got := [r for r in group if r["policy"] == policy and r["compression"] == c]) == len(tasks)
-            ]
+        for policy in sec.policies:
+            points = [(c, got[0]) for c in sec.compressions if (got := sec.average(policy, c)) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=policy)
-        if len(full) == len(tasks):
-            ax.axhline(_average(list(full.values()))[0], color="black", linestyle="--", label="full")
+        if (ceiling := sec.average("full")) is not None:
+            ax.axhline(ceiling[0], color="black", linestyle="--", label="full")
         ax.set_ylim(0, 100)
         ax.set_xlabel("compression (share of tokens dropped)")
-        ax.set_ylabel(f"average score over {len(tasks)} task(s) (%)")
-        ax.set_title(f"RULER {length} tokens, question-{protocol}")
+        ax.set_ylabel(f"average score over {len(sec.tasks)} task(s) (%)")
+        ax.set_title(f"RULER {sec.length} tokens, question-{sec.protocol}")
         ax.legend(fontsize=7, ncol=2)
-        paths.append(str(save_figure(fig, folder / f"score_{length}_{protocol}.png")))
-        for c in compressions:
-            names = ["full", *policies]
-            grid = [
-                [
-                    next(
-                        (
-                            r["score"]
-                            for r in (full.values() if p == "full" else group)
-                            if r["task"] == t and (p == "full" or (r["policy"] == p and r["compression"] == c))
-                        ),
-                        math.nan,
-                    )
-                    for p in names
-                ]
-                for t in tasks
-            ]
-            fig, ax = plt.subplots(figsize=(0.7 * len(names) + 2.5, 0.45 * len(tasks) + 1.8))
+        paths.append(str(save_figure(fig, folder / f"score_{sec.length}_{sec.protocol}.png")))
+        names = ["full", *sec.policies]
+        for c in sec.compressions:
+            grid = [[sec.by_task(p, c).get(t, {}).get("score", math.nan) for p in names] for t in sec.tasks]
+            fig, ax = plt.subplots(figsize=(0.7 * len(names) + 2.5, 0.45 * len(sec.tasks) + 1.8))
             im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(range(len(names)), names, rotation=60, ha="right")
-            ax.set_yticks(range(len(tasks)), tasks)
+            ax.set_yticks(range(len(sec.tasks)), sec.tasks)
             for i, line in enumerate(grid):
                 for j, value in enumerate(line):
                     if not math.isnan(value):
                         ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
             fig.colorbar(im, ax=ax, label="score (%)")
-            ax.set_title(f"RULER {length} tokens, question-{protocol}, compression {c:g}")
-            paths.append(str(save_figure(fig, folder / f"tasks_{length}_{protocol}_c{c:g}.png")))
+            ax.set_title(f"RULER {sec.length} tokens, question-{sec.protocol}, compression {c:g}")
+            paths.append(str(save_figure(fig, folder / f"tasks_{sec.length}_{sec.protocol}_c{c:g}.png")))
     return paths
 
 

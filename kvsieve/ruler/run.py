@@ -206,12 +206,8 @@ def predict(
     ids = torch.tensor([[*head, *tail]], device=device)
     start = time.perf_counter()
     agnostic = setting.protocol == "agnostic" and setting.policy != "full"
-    if setting.policy == "full":
-        cache = make_cache(model, "full", None)
-    elif agnostic:
-        cache = make_cache(model, setting.policy, setting.budget, decode_budget=None)
-    else:
-        cache = make_cache(model, setting.policy, setting.budget)
+    growth = {"decode_budget": None} if agnostic else {}  # (agnostic: the question and answer never evicted)
+    cache = make_cache(model, setting.policy, setting.budget, **growth)
     with torch.inference_mode():
         if agnostic:
             cache.resolve(len(head))
