@@ -29,6 +29,20 @@ def test_policies_lists_every_registered_policy(capsys) -> None:
         assert row["summary"] and row["paper"]
 
 
+def test_json_results_say_where_they_come_from(capsys) -> None:
+    import torch
+    import transformers
+
+    from kvsieve.provenance import CPU_FLAGS
+
+    origin = _run_json(capsys, "policies")["provenance"]
+    assert origin["command"] == ["kvsieve", "policies", "--json"]
+    assert origin["versions"]["torch"] == torch.__version__
+    assert origin["versions"]["transformers"] == transformers.__version__
+    assert set(origin["cpu"]["flags"]) <= set(CPU_FLAGS) and origin["cpu"]["cores"] >= 1
+    assert origin["threads"] == torch.get_num_threads() and origin["date"].endswith(" UTC")
+
+
 def test_policies_json_lists_memory_saving(capsys) -> None:
     assert main(["policies", "--json"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["policies"]}

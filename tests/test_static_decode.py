@@ -1,6 +1,6 @@
 """A decode step at the budget is static: no host synchronisation and no new slot buffers, for every policy.
 
-What a CUDA graph or ``torch.compile`` of the decode step needs (issue 20, target 6), checked on the CPU: once the
+What a CUDA graph or ``torch.compile`` of the decode step needs, checked on the CPU: once the
 cache holds its budget, a step of one token per row neither reads a tensor's value on the host (``.item()``,
 ``bool(t)``, ``.tolist()``, ``nonzero``: each a device→host sync on a GPU) nor allocates or resizes slot buffers
 (their storage stays where it was), with plain or quantized slots. A probe records every such call the step makes.

@@ -1,10 +1,12 @@
-"""The ``kvsieve`` command line. Every command prints a readable result, or JSON with ``--json``; an error is one
-line on stderr, or one JSON object on stdout with ``--json``.
+"""The ``kvsieve`` command line. Every command prints a readable result, or JSON with ``--json`` (with the result's
+:func:`~kvsieve.provenance.provenance` under ``"provenance"``); an error is one line on stderr, or one JSON object on
+stdout with ``--json``.
 
 ``parser`` builds the arguments, ``commands`` runs them, this module prints."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -24,6 +26,11 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
 
         print(f"model {result['model']}, budget {result['budget']}")
         print(format_table([CompareRow(**row) for row in result["rows"]]))
+        if result["kernels_compiled"]:
+            print(
+                f"\nthis run compiled {result['kernels_compiled']} numba kernels (cached on disk: later runs load"
+                " them); decode tok/s is timed after each policy's first step, which paid for it"
+            )
     elif command == "policies":
         for row in result["policies"]:
             flag = "needs attention" if row["needs_attention"] else "no attention needed"
@@ -103,6 +110,16 @@ def _reported_errors() -> tuple[type[Exception], ...]:
     return (ValueError, OSError, FetchError, UnsupportedModelError)
 
 
+def _provenance(argv: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The provenance of the command ``argv`` about to run, with the model, device and dtype it was given."""
+    from kvsieve.provenance import provenance
+
+    used = {key: getattr(args, key) for key in ("model", "device") if getattr(args, key, None)}
+    if hasattr(args, "dtype"):
+        used["dtype"] = args.dtype or "float32"
+    return provenance(["kvsieve", *argv], **used)
+
+
 def _run(argv: list[str], as_json: bool) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -110,6 +127,7 @@ def _run(argv: list[str], as_json: bool) -> int:
         if not as_json:
             err.parser.print_usage(sys.stderr)
         return _report(err, err.parser.prog, as_json)
+    origin = _provenance(argv, args) if as_json else None  # (taken before the command runs: its date and code)
     try:
         result = COMMANDS[args.command](args)
     except Exception as err:
@@ -117,7 +135,7 @@ def _run(argv: list[str], as_json: bool) -> int:
             raise
         return _report(err, f"kvsieve {args.command}", as_json)
     if as_json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**result, "provenance": origin}, indent=2))
     else:
         _print_human(args.command, result)
     return 0

@@ -201,11 +201,13 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
+    from kvsieve.engine.compiled import compilations
     from kvsieve.evaluation.compare import compare
 
     policies = _specs(args)
     text = _text(args)
     model, tokenizer = _load(args)
+    compiled_before = compilations()
     rows = compare(
         model,
         tokenizer,
@@ -217,7 +219,12 @@ def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
         progress=not args.json,
         schedule=args.schedule,
     )
-    return {"model": args.model, "budget": args.budget, "rows": [r.to_dict() for r in rows]}
+    return {
+        "model": args.model,
+        "budget": args.budget,
+        "rows": [r.to_dict() for r in rows],
+        "kernels_compiled": compilations() - compiled_before,
+    }
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -245,7 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--budget", type=_budget, default=0.2, help="tokens or ratio (default 0.2)")
             p.add_argument("--policies", nargs="+", default=["full", "local", "streaming_llm", "h2o"])
             p.add_argument(
-                "--sample-tokens", type=POSITIVE_INT, default=32, help="greedy continuation length (decode speed)"
+                "--sample-tokens",
+                type=_checked(int, "an integer >= 2", lambda v: v >= 2),
+                default=32,
+                help="greedy continuation length (decode speed, timed after the first step)",
             )
             _schedule_arg(p)
             _quant_args(p)

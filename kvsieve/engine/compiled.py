@@ -479,6 +479,15 @@ def _fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
     return pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span
 
 
+def compilations() -> int:
+    """How many kernels of this module this process compiled, rather than loaded from numba's on-disk cache (0
+    without numba): what a run's first use costs, which timings report apart from decoding."""
+    if numba is None:
+        return 0
+    kernels = (k for k in globals().values() if isinstance(k, numba.core.registry.CPUDispatcher))
+    return sum(sum(kernel.stats.cache_misses.values()) for kernel in kernels)
+
+
 def decodes_by_rule(rule: ScanRule | None, device: torch.device) -> bool:
     """Whether :func:`compiled_decode` runs a decode step under ``rule`` on ``device``."""
     return ENABLED and isinstance(rule, ScoreRule | LowMarks) and device.type == "cpu"
