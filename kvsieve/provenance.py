@@ -43,8 +43,8 @@ def _version(package: str) -> str | None:
 
 
 def _commit() -> str | None:
-    """The short commit of the kvsieve checkout this runs from (``+dirty`` with uncommitted changes), or None when
-    it is not a git checkout."""
+    """The short commit of the kvsieve checkout this runs from (``+dirty`` with uncommitted changes to the package's
+    code), or None when it is not a git checkout."""
     root = Path(__file__).resolve().parents[1]
     if not (root / ".git").exists():
         return None
@@ -53,7 +53,7 @@ def _commit() -> str | None:
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(root), "status", "--porcelain", "--", "kvsieve"],
             capture_output=True,
             text=True,
             check=True,
