@@ -146,6 +146,21 @@ def tiny_lm(tiny_factory, tokenizer) -> tuple[PreTrainedModel, PreTrainedTokeniz
     return tiny_factory("llama_gqa", vocab=len(tokenizer)), tokenizer
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_lm, tmp_path_factory) -> str:
+    """:func:`tiny_lm` saved as a model directory (what ``--model`` takes). Its config names sdpa, an attention
+    implementation every process has (the model in memory may have been switched to kvsieve's)."""
+    model, tokenizer = tiny_lm
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    switched, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
+    try:
+        model.save_pretrained(path)
+    finally:
+        model.config._attn_implementation = switched
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture
 def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading a model fails the test: the command must stop before."""

@@ -111,16 +111,6 @@ def test_spec_keys_are_added_and_joined() -> None:
         with_spec_keys("h2o:residual=3", {"residual": 4}, "as -r")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_lm, tmp_path_factory) -> Path:
-    """The tiny Llama with the real tokenizer, saved where ``--model`` can load it."""
-    path = tmp_path_factory.mktemp("tiny")
-    model, tokenizer = tiny_lm
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_generate_holds_the_real_bytes_of_quantized_slots(capsys, tiny_dir) -> None:
     common = ["generate", "--model", str(tiny_dir), "--budget", "8", "--max-new-tokens", "6", "The river town"]
     plain = _json(capsys, *common)

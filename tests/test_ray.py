@@ -32,17 +32,6 @@ TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_factory, tokenizer) -> str:
-    """A tiny random Llama with the real tokenizer, saved as a model directory (what ``--model`` takes)."""
-    model = tiny_factory("llama_gqa", vocab=len(tokenizer))
-    model.config._attn_implementation = "sdpa"  # (the saved config names an implementation every process has)
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def in_process(tiny_dir, tmp_path_factory) -> dict[tuple[str, float], dict[str, Any]]:
     """The grid computed in this process: (policy, budget) → row."""
     out = tmp_path_factory.mktemp("in_process")

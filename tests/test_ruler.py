@@ -588,15 +588,3 @@ def test_cli_quick_grid_then_report_only(tmp_path, capsys, monkeypatch) -> None:
     assert json.loads(capsys.readouterr().out)["rows"] == result["rows"]
     assert main(["ruler", "--out", str(out), "--compressions", "1.5", "--json"]) == 2  # (one line, nothing run)
     assert "error" in json.loads(capsys.readouterr().out)
-
-
-@pytest.mark.parametrize("page", ["docs/long-context.md", "README.md"])
-def test_pages_show_what_their_data_says(page) -> None:
-    from pathlib import Path
-
-    from kvsieve.ruler.report import fill_summaries
-
-    root = Path(__file__).resolve().parents[1]
-    text = (root / page).read_text()
-    assert "<!-- ruler-summary: " in text
-    assert fill_summaries(text, root) == text, f"run: python -m kvsieve.ruler.report {page}"

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvsieve.engine.budget import Budget
+from kvsieve.results import md_table
 
 if TYPE_CHECKING:
     from kvsieve.evaluation.ray_sweep import RayOptions
@@ -267,11 +268,6 @@ class CellExperiment(Experiment):
     def settings(self) -> dict[str, Any]:
         """The experiment's own settings (for the report)."""
         return {}
-
-
-def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
-    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]) + "\n"
 
 
 # --- one analysis ------------------------------------------------------------------------------------------------

@@ -8,8 +8,7 @@ over tasks of each policy at each compression (its standard error: that of a mea
 the full cache's average as the ceiling, then per compression a task × policy table. Plots (``plots/``): the
 average score against the compression, one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``);
 a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``). A documentation page
-embeds a grid's summary tables between markers that :func:`fill_summaries` renders from the cell files
-(``python -m kvsieve.ruler.report PAGE.md``).
+embeds a grid's summary tables in a results block (:mod:`kvsieve.results`) naming the grid's directory.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import re
-import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +25,7 @@ from typing import Any
 from kvsieve.evaluation.plots import pyplot, save_figure
 from kvsieve.ruler.scoring import mean_and_stderr
 
-__all__ = ["collect", "fill_summaries", "markdown", "summary", "write_report"]
+__all__ = ["collect", "markdown", "summary", "write_report"]
 
 FIELDS = (
     "task",
@@ -223,17 +220,3 @@ def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
             ax.set_title(f"RULER {sec.length} tokens, question-{sec.protocol}, compression {c:g}")
             paths.append(str(save_figure(fig, folder / f"tasks_{sec.length}_{sec.protocol}_c{c:g}.png")))
     return paths
-
-
-_BLOCK = re.compile(r"(<!-- ruler-summary: (\S+) -->\n)(.*?)(<!-- /ruler-summary -->)", re.S)
-
-
-def fill_summaries(text: str, root: str | Path = ".") -> str:
-    """``text`` with each ``<!-- ruler-summary: DIR -->`` … ``<!-- /ruler-summary -->`` block holding the summary
-    tables of the grid in ``root/DIR`` (:func:`summary`): a page's figures rendered from the cell files."""
-    return _BLOCK.sub(lambda m: m[1] + summary(collect(Path(root, m[2])), level=4) + m[4], text)
-
-
-if __name__ == "__main__":  # python -m kvsieve.ruler.report PAGE.md ...: render the summaries of these pages in place
-    for page in sys.argv[1:]:
-        Path(page).write_text(fill_summaries(Path(page).read_text()))

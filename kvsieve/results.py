@@ -1,0 +1,174 @@
+"""Published results, rendered from the files their commands wrote: no figure on a page is typed by hand.
+
+A page (README.md, docs/*.md) holds blocks::
+
+    <!-- results: PATH -->
+    (rendered here)
+    <!-- /results -->
+
+``PATH``, relative to the repository root, is either a file a ``kvsieve ... --json`` command wrote (``kvsieve
+compare``, ``kvsieve bench`` with or without a preset; each file carries its
+:func:`~kvsieve.provenance.provenance`, printed under the table) or the output directory of ``kvsieve ruler`` (its
+summary tables, :func:`kvsieve.ruler.report.summary`). ``python -m kvsieve.results [PAGE ...]`` renders every block
+of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
+the pages, where a page and its data disagree (the test suite runs the same check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
+
+_BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
+MIB = 1 << 20
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]) + "\n"
+
+
+def _origin(result: dict[str, Any]) -> str:
+    """One line: the command, model and dtype, host, versions, code and date of a result."""
+    p = result["provenance"]
+    cpu = p["cpu"]
+    host = f"{cpu['name']} ({', '.join(cpu['flags']) or 'no AVX2'})" + (f", GPU {p['gpu']}" if "gpu" in p else "")
+    versions = ", ".join(f"{name} {v}" for name, v in p["versions"].items() if v)
+    model = " ".join(str(p[k]) for k in ("model", "dtype") if p.get(k))
+    return (
+        f"*`{' '.join(p['command'])}` · {model} · {host}, {p['threads']} torch thread(s) · {versions} · kvsieve "
+        f"{p['kvsieve']} at {p['commit'] or 'an unknown commit'} · {p['date']}*\n"
+    )
+
+
+def _compare(result: dict[str, Any]) -> str:
+    rows = [
+        [
+            f"`{r['policy']}`",
+            "all" if r["budget_tokens"] is None else r["budget_tokens"],
+            f"{r['ppl']:.3f}",
+            "" if r["ppl_vs_full"] is None else f"{r['ppl_vs_full']:.3f}×",
+            f"{r['kv_mib']:.2f}",
+            f"{r['decode_tok_s']:.1f}",
+        ]
+        for r in sorted(result["rows"], key=lambda r: (r["budget_tokens"] is not None, r["ppl"]))
+    ]
+    (tokens,) = {r["tokens_scored"] for r in result["rows"]}
+    head = f"Perplexity of {tokens:,} tokens streamed through each policy's cache (best first) and the KV it held:\n\n"
+    header = ["policy", "budget (tokens)", "perplexity", "vs full", "KV MiB", "decode tok/s"]
+    return head + md_table(header, rows)
+
+
+def _stream_engine(result: dict[str, Any]) -> str:
+    rows = [
+        [f"`{r['policy']}`", f"{r['whole_tok_s']:.1f}", f"{r['decode_tok_s']:.1f}", f"{r['speedup']:.1f}×",
+         f"{r['of_full']:.2f}×", f"{r['ppl_whole_prefix']:.4f}", f"{r['ppl_decode_prefix']:.4f}"]
+        for r in result["stream_engine"]
+    ]  # fmt: skip
+    head = (
+        f"A stream of {result['length']:,} tokens at budget {result['budget']}, {result['repeats']} round(s): the "
+        "whole-sequence engine against one forward per token, and against `full`'s one forward pass:\n\n"
+    )
+    header = ["policy", "whole tok/s", "token-by-token tok/s", "speed-up", "of full", "ppl (whole)", "ppl (by token)"]
+    return head + md_table(header, rows) + _checks(result)
+
+
+def _bench(result: dict[str, Any]) -> str:
+    from kvsieve.benchmarks.runner import DYNAMIC, FLOOR
+
+    rows = []
+    for c in result["cells"]:
+        floor, full = c["ratios"].get(f"vs_{FLOOR}"), c["ratios"].get(f"vs_{DYNAMIC}")
+        rows.append(
+            [
+                f"`{c['policy']}`",
+                f"{c['prompt_tokens']}+{c['gen_tokens']}",
+                c["batch"],
+                "all" if c["budget_tokens"] is None else c["budget_tokens"],
+                f"{c['prefill_s']:.2f}",
+                f"{c['decode_tok_s']:.1f}",
+                f"{c['step_ms_p50']:.1f}",
+                "" if floor is None else f"{floor['step_ms_p50']:.3f}×",
+                "" if full is None else f"{full['decode_tok_s']:.2f}×",
+                f"{c['kv_bytes'] / MIB:.1f}",
+            ]
+        )
+    header = ["policy", "prompt+gen", "batch", "budget", "prefill s", "decode tok/s", "step ms (p50)",
+              "step / floor", "tok/s / DynamicCache", "KV MiB"]  # fmt: skip
+    head = (
+        f"Medians of {result['repeats']} rounds, decode steps in lockstep; the floor is a cache of the same size that "
+        "never evicts:\n\n"
+    )
+    return head + md_table(header, rows) + _checks(result)
+
+
+def _checks(result: dict[str, Any]) -> str:
+    marks = {True: "passes", False: "**fails**", None: "not measured"}
+    return "".join(f"\n- {c['check']}: {c['measured']} ({marks[c['passed']]})" for c in result["checks"]) + (
+        "\n" if result["checks"] else ""
+    )
+
+
+def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
+    command = result["provenance"]["command"][1]
+    if command == "compare":
+        return _compare
+    if command == "bench" and "stream_engine" in result:
+        return _stream_engine
+    if command == "bench" and "cells" in result:
+        return _bench
+    raise ValueError(f"no renderer for the result of `kvsieve {command}`")
+
+
+def render_file(path: Path) -> str:
+    """The markdown of the result at ``path``: a ``--json`` result file, or a ``kvsieve ruler`` output directory."""
+    if path.is_dir():
+        from kvsieve.ruler.report import collect, summary
+
+        return summary(collect(path), level=4)
+    result = json.loads(path.read_text())
+    return _renderer(result)(result) + "\n" + _origin(result)
+
+
+def render(text: str, root: Path) -> str:
+    """``text`` with every results block rendered from its data under ``root``."""
+    return _BLOCK.sub(lambda m: m[1] + render_file(root / m[2]) + m[4], text)
+
+
+def pages(root: Path) -> list[Path]:
+    """The pages that may hold results blocks: README.md and every markdown page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def stale_pages(root: Path, among: Sequence[Path] | None = None) -> list[Path]:
+    """The pages (``among``, default :func:`pages`) whose results blocks disagree with their data under ``root``."""
+    return [page for page in among or pages(root) if render(text := page.read_text(), root) != text]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvsieve.results", description=__doc__.split("\n\n")[0])
+    parser.add_argument("pages", nargs="*", type=Path, help="pages to render (default: README.md and docs/**/*.md)")
+    parser.add_argument("--check", action="store_true", help="change nothing; fail where a page disagrees")
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository root (default: here)")
+    args = parser.parse_args(argv)
+    stale = stale_pages(args.root, args.pages)
+    if args.check:
+        if stale:
+            print("results out of date with their data:", *stale, "run: python -m kvsieve.results", file=sys.stderr)
+        return 1 if stale else 0
+    for page in stale:
+        page.write_text(render(page.read_text(), args.root))
+        print("rendered", page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Published results are rendered from the files their commands wrote (:mod:`kvsieve.results`): every page agrees
+with its data, a result of each kind renders with where it comes from, and a page that disagrees is caught."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from kvsieve.benchmarks import stream_engine
+from kvsieve.cli import main
+from kvsieve.provenance import provenance
+from kvsieve.results import main as results_main
+from kvsieve.results import render, render_file, stale_pages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_page_agrees_with_its_data() -> None:
+    assert "<!-- results: " in (ROOT / "README.md").read_text()
+    assert stale_pages(ROOT) == [], "run: python -m kvsieve.results"
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def compare_result(tiny_dir) -> dict:
+    """``kvsieve compare --json`` of the tiny model, as a result file holds it."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # (capsys is per test)
+        argv = ["compare", "--model", tiny_dir, "--max-tokens", "48", "--budget", "16", "--sample-tokens", "3"]
+        assert main([*argv, "--policies", "full", "h2o", "local", "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_a_compare_result_renders_each_policy_and_where_it_comes_from(compare_result, tmp_path) -> None:
+    (tmp_path / "r.json").write_text(json.dumps(compare_result))
+    text = render_file(tmp_path / "r.json")
+    rows = {r["policy"]: r for r in compare_result["rows"]}
+    for name, row in rows.items():
+        assert f"| `{name}` | " in text and f"{row['ppl']:.3f}" in text
+    assert "| `full` | all | " in text and "1.000×" in text
+    origin = compare_result["provenance"]
+    assert " ".join(origin["command"]) in text and origin["date"] in text and origin["versions"]["torch"] in text
+    assert origin["cpu"]["name"] in text and f"{origin['threads']} torch thread(s)" in text
+
+
+def test_a_page_that_disagrees_with_its_data_is_caught_and_rendered(compare_result, tmp_path) -> None:
+    (tmp_path / "r.json").write_text(json.dumps(compare_result))
+    page = tmp_path / "page.md"
+    page.write_text("# Results\n\n<!-- results: r.json -->\n<!-- /results -->\n\nAfter.\n")
+    check = ["--check", "--root", str(tmp_path), str(page)]
+    assert results_main(check) == 1  # (an empty block is stale)
+    assert results_main(["--root", str(tmp_path), str(page)]) == 0
+    assert results_main(check) == 0 and page.read_text().endswith("<!-- /results -->\n\nAfter.\n")
+    changed = json.loads(json.dumps(compare_result))
+    changed["rows"][0]["ppl"] *= 1.01
+    (tmp_path / "r.json").write_text(json.dumps(changed))
+    assert results_main(check) == 1 and stale_pages(tmp_path, [page]) == [page]
+
+
+def test_bench_results_render_their_cells_and_checks(tiny_dir, capsys, tmp_path) -> None:
+    argv = ["bench", "--model", tiny_dir, "--prompt-lens", "40", "--gen-lens", "4", "--batches", "1"]
+    result = _json(capsys, *argv, "--policies", "h2o", "--budget", "16", "--repeats", "1")
+    (tmp_path / "b.json").write_text(json.dumps(result))
+    text = render_file(tmp_path / "b.json")
+    for cell in result["cells"]:
+        assert f"| `{cell['policy']}` | 40+4 | 1 | " in text
+    assert "kvsieve bench" in text
+
+
+def test_a_stream_engine_result_renders_each_policy(llama_gqa, make_ids, tmp_path) -> None:
+    result = stream_engine.stream_engine(llama_gqa, make_ids(1, stream_engine.LENGTH)[0], ["h2o"], progress=False)
+    result["provenance"] = provenance(["kvsieve", "bench", "--preset", "stream-engine"], model="tiny")
+    (tmp_path / "s.json").write_text(json.dumps(result))
+    text = render_file(tmp_path / "s.json")
+    (row,) = result["stream_engine"]
+    assert f"| `h2o` | {row['whole_tok_s']:.1f} | " in text and result["checks"][0]["check"] in text
+
+
+def test_a_result_of_another_command_is_refused(tmp_path) -> None:
+    (tmp_path / "p.json").write_text(json.dumps({"provenance": {"command": ["kvsieve", "policies", "--json"]}}))
+    with pytest.raises(ValueError, match="no renderer for the result of `kvsieve policies`"):
+        render("<!-- results: p.json -->\n<!-- /results -->", tmp_path)
