@@ -419,3 +419,30 @@ def test_real_model_greedy_output_equals_generate(real_model, wiki_text) -> None
         )
     assert out.choices[0].text == expected
     assert out.kvsieve["kv_bytes"] == out.kvsieve["kv_bytes_reserved"]
+
+
+def test_the_server_warms_up_before_serving_and_times_no_compiling_step_as_decoding(serve, monkeypatch) -> None:
+    from kvsieve.server import scheduler
+
+    calls = iter(range(0, 10_000, 3))  # (every call finds 3 more kernels compiled: each step "compiles")
+    monkeypatch.setattr(scheduler, "compilations", lambda: next(calls))
+    base = serve()
+    warm = metric(base, "kvsieve_kernels_compiled_total")
+    assert warm == 3  # (the warm-up, before any request)
+    assert metric(base, "kvsieve_generation_tokens_total") == 0 and metric(base, "kvsieve_prompt_tokens_total") == 0
+    client(base).completions.create(model=NAME, prompt="The river town", max_tokens=4)
+    assert metric(base, "kvsieve_kernels_compiled_total") > warm
+    assert metric(base, "kvsieve_decode_tokens_per_second") == 0  # (every step compiled: no decode rate set)
+
+
+@pytest.mark.parametrize("spec", [KVSpec("h2o", 1020, {}), KVSpec("snapkv", 0.5, {}), KVSpec("full", None, {})])
+def test_warm_up_takes_any_default_within_the_models_positions(tiny_lm, spec) -> None:
+    from kvsieve.server.metrics import Metrics
+    from kvsieve.server.scheduler import Scheduler
+
+    model, tokenizer = tiny_lm
+    metrics = Metrics(2**30)
+    work = Scheduler(model, tokenizer, kv_cap_bytes=2**30, max_batch=4, max_queue=4, metrics=metrics)
+    seconds, compiled = work.warm_up(spec)  # (1020 tokens: the tiny model has 1024 positions)
+    assert seconds > 0 and compiled >= 0
+    assert b"kvsieve_generation_tokens_total 0.0" in metrics.exposition()  # (no request's metrics)

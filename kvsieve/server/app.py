@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,8 @@ from kvsieve.server.schemas import ChatRequest, CompletionRequest, GenerationFie
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 CHAT_MAX_TOKENS = 512  # (OpenAI's chat default is the rest of the context; the server needs a bound to reserve KV)
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -79,6 +82,8 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        seconds, compiled = scheduler.warm_up(defaults)
+        logger.info("warmed up %s in %.1f s (%d kernels compiled)", defaults.policy, seconds, compiled)
         scheduler.start()
         try:
             yield

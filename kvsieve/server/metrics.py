@@ -56,8 +56,15 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=registry,
         )
+        self.kernels_compiled = Counter(
+            "kvsieve_kernels_compiled",
+            "Kernels compiled at first use, warm-up included (a step that compiled sets no decode rate)",
+            registry=registry,
+        )
         self.decode_rate = Gauge(
-            "kvsieve_decode_tokens_per_second", "Tokens generated per second over the last step", registry=registry
+            "kvsieve_decode_tokens_per_second",
+            "Tokens generated per second over the last step that compiled nothing",
+            registry=registry,
         )
 
     def held(self, nbytes: int) -> None:

@@ -10,6 +10,10 @@ requests join a batch of caches made alike (same policy, parameters and budget i
 in different batches, one forward pass each. A request leaves at the step after it ends or its client goes: its
 rows are dropped (``batch_select_indices``).
 
+Before serving, :meth:`Scheduler.warm_up` runs the default policy once over a prompt longer than its budget, so that
+compiling kernels and first-use allocations are not paid by the first request; a step that compiles anyway (another
+policy's first use) counts its kernels in ``kvsieve_kernels_compiled`` and leaves the decode rate as it was.
+
 Admission: a request's bytes are known before it runs (:mod:`kvsieve.server.memory`). Requests are admitted in
 arrival order while the reservations of the running ones plus the next one's peak stay within the cap and fewer
 than ``max_batch`` run; the others wait in a bounded queue; past it, :class:`Overloaded` (HTTP 429).
@@ -31,6 +35,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.api import eos_ids, make_cache
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache
+from kvsieve.engine.compiled import compilations
+from kvsieve.evaluation.compare import greedy_continue
 from kvsieve.policies import get_policy, resolve_spec
 from kvsieve.server.decoding import Sampler, TextStream
 from kvsieve.server.memory import Reservation, reservation
@@ -260,6 +266,23 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def warm_up(self, spec: KVSpec, steps: int = 4) -> tuple[float, int]:
+        """Run ``spec`` once (outside any request and its metrics) over a prompt longer than its budget, then
+        ``steps`` decode steps at the budget; returns the seconds it took and the kernels it compiled."""
+        started, compiled = time.perf_counter(), compilations()
+        budget = spec.budget
+        length = budget + 8 if isinstance(budget, int) else 64
+        length = min(length, (self.max_positions or length + steps) - steps)
+        prompt = torch.full((1, length), self.tokenizer.eos_token_id or 0, device=self.model.device)
+        cache = make_cache(self.model, spec.policy, budget, **spec.params)
+        cache.resolve(length)
+        with torch.inference_mode():
+            self.model(input_ids=prompt[:, :-1], cache=cache, use_cache=True, logits_to_keep=1)
+        greedy_continue(self.model, cache, prompt[:, -1:], steps)
+        compiled = compilations() - compiled
+        self.metrics.kernels_compiled.inc(compiled)
+        return time.perf_counter() - started, compiled
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvsieve-scheduler", daemon=True)
         self._thread.start()
@@ -308,7 +331,7 @@ class Scheduler:
         while self._unprefilled and (not admitted or len(self._unprefilled[0].prompt) <= budget):
             admitted.append(job := self._unprefilled.popleft())
             budget -= len(job.prompt)
-        started = time.perf_counter()
+        started, compiled = time.perf_counter(), compilations()
         tokens = 0
         for job in admitted:
             if self._stopping:  # (stop() fails what is left)
@@ -333,7 +356,11 @@ class Scheduler:
                 self._place(job)
         seconds = time.perf_counter() - started
         self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds
-        self.metrics.decode_rate.set(tokens / seconds if seconds > 0 else 0)
+        compiled = compilations() - compiled
+        if compiled:  # (the step paid for first use: not a decode rate)
+            self.metrics.kernels_compiled.inc(compiled)
+        else:
+            self.metrics.decode_rate.set(tokens / seconds if seconds > 0 else 0)
         self._retire()
 
     def _admit(self) -> list[Job]:
