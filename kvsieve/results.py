@@ -6,9 +6,9 @@ A page (README.md, docs/*.md) holds blocks::
     (rendered here)
     <!-- /results -->
 
-``PATH``, relative to the repository root, is either a file a ``kvsieve ... --json`` command wrote (``kvsieve
-compare``, ``kvsieve bench`` with or without a preset; each file carries its
-:func:`~kvsieve.provenance.provenance`, printed under the table) or the output directory of ``kvsieve ruler`` (its
+``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json`` or ``kvsieve
+bench --json`` (with or without a preset) printed, or ``scripts/ruler_cost.py --out`` wrote; each carries its
+:func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`). ``python -m kvsieve.results [PAGE ...]`` renders every block
 of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
 the pages, where a page and its data disagree (the test suite runs the same check).
@@ -117,15 +117,30 @@ def _checks(result: dict[str, Any]) -> str:
     )
 
 
+def _ruler_cost(result: dict[str, Any]) -> str:
+    parts = []
+    for r in result["results"]:
+        rows = [
+            [f"`{row['policy']}`", f"{row['first_token_s']:.1f}", f"{row['answer_s']:.2f}", row["tokens"],
+             "yes" if row["correct"] else "no"]
+            for row in r["rows"]
+        ]  # fmt: skip
+        head = f"A {r['length']:,}-token RULER prompt, {r['dtype']}, peak RSS {r['peak_rss_gib']} GiB:\n\n"
+        parts.append(head + md_table(["policy", "to the first token s", "answer s", "answer tokens", "correct"], rows))
+    return "\n".join(parts)
+
+
 def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
-    command = result["provenance"]["command"][1]
+    program, command = result["provenance"]["command"][:2]
+    if Path(program).name == "ruler_cost.py":
+        return _ruler_cost
     if command == "compare":
         return _compare
     if command == "bench" and "stream_engine" in result:
         return _stream_engine
     if command == "bench" and "cells" in result:
         return _bench
-    raise ValueError(f"no renderer for the result of `kvsieve {command}`")
+    raise ValueError(f"no renderer for the result of `{' '.join(result['provenance']['command'][:2])}`")
 
 
 def render_file(path: Path) -> str:

@@ -8,15 +8,14 @@ sample of the length (seed 0, the built-in articles) answered greedily under eac
 question-agnostic protocol (``kvsieve.ruler.run.predict``): ``first_token_s`` is the context's forward pass with the
 policy's observation and eviction (the full cache: none) plus the question part's, ``answer_s`` the decoding of the
 ``tokens`` after the first; each policy answers a short prompt first, so that no compilation or warm-up is timed.
-``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON with the
-host's CPU flags, threads and versions (``--out``).
+``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON with its
+:func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it on the long-context page).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -69,14 +68,9 @@ def main() -> None:
         result = measure(args.model, int(length), dtype, args.policies, args.compression)
         print(json.dumps(result))
         return
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    host = {
-        "cpu": platform.processor() or platform.machine(),
-        "avx512_bf16": "avx512_bf16" in flags,
-        "avx2": "avx2" in flags,
-        "threads": args.threads,
-        "torch": torch.__version__,
-    }
+    from kvsieve.provenance import provenance
+
+    origin = provenance(["scripts/ruler_cost.py", *sys.argv[1:]], model=args.model, threads=args.threads)
     results = []
     for length in args.lengths:
         for dtype in args.dtypes:
@@ -90,7 +84,7 @@ def main() -> None:
                 print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": args.model, "host": host, "results": results}, indent=1))
+        args.out.write_text(json.dumps({"results": results, "provenance": origin}, indent=1))
 
 
 if __name__ == "__main__":

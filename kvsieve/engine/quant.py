@@ -1,7 +1,7 @@
 """How a layer's slots hold keys and values: as they are (:data:`PLAIN`), or as packed integer codes
 (:class:`KVQuant`, ``make_cache(..., kv_bits=8|4|2)``).
 
-Quantized slots (the choices, measured in the README's "Quantized slots" section):
+Quantized slots (the choices; how to measure them: docs/quantized.md):
 
 - **Per token, in groups of channels.** A slot holds one token, so each token's key and value vectors are quantized
   on their own, in groups of ``group_size`` consecutive channels, asymmetric (``x ≈ zero + code · scale``). KIVI
