@@ -49,6 +49,16 @@ def _origin(result: dict[str, Any]) -> str:
     )
 
 
+def _ruler_origin(meta: dict[str, Any]) -> str:
+    """One line from a ``kvsieve ruler`` directory's ``meta.json`` (written beside runs made elsewhere, e.g. on a lent
+    GPU): the command, model, dtype, device, versions, date and what the cells cover."""
+    versions = ", ".join(f"{name} {v}" for name, v in meta["versions"].items())
+    return (
+        f"\n*`{meta['command']}` · {meta['model']} · {meta['dtype']} · {meta['device']} · {versions} · {meta['date']}."
+        f" Covers {meta['covers']}.*\n"
+    )
+
+
 def _compare(result: dict[str, Any]) -> str:
     rows = [
         [
@@ -148,7 +158,8 @@ def render_file(path: Path) -> str:
     if path.is_dir():
         from kvsieve.ruler.report import collect, summary
 
-        return summary(collect(path), level=4)
+        meta = path / "meta.json"
+        return summary(collect(path), level=4) + (_ruler_origin(json.loads(meta.read_text())) if meta.is_file() else "")
     result = json.loads(path.read_text())
     return _renderer(result)(result) + "\n" + _origin(result)
 
