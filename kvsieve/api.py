@@ -18,7 +18,7 @@ from kvsieve.engine.schedules import schedule_weights
 from kvsieve.policies import Policy, resolve_spec
 from kvsieve.profiling import profile
 
-__all__ = ["Generation", "eos_ids", "generate", "make_cache", "use_kvsieve_attention"]
+__all__ = ["Generation", "eos_ids", "generate", "generated", "make_cache", "use_kvsieve_attention"]
 
 
 def make_cache(
@@ -130,14 +130,10 @@ def generate(
         generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     with torch.inference_mode():
         out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, **generate_kwargs)
-    new = out[:, prompt_len:]
-    eos = eos_ids(model, tokenizer, generate_kwargs.get("eos_token_id"))
-    lengths = [_length_until_eos(row, eos) for row in new.tolist()]
+    texts, lengths = generated(model, tokenizer, out, prompt_len, generate_kwargs.get("eos_token_id"))
     per_prompt = out.shape[0] // len(batch)  # (num_return_sequences: the sequences of each prompt in a row)
     return Generation(
-        texts=[
-            tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(new.tolist(), lengths, strict=True)
-        ],
+        texts=texts,
         prompt_tokens=[n for n in enc["attention_mask"].sum(-1).tolist() for _ in range(per_prompt)],
         generated_tokens=lengths,
         budget_tokens=cache.budget_tokens,
@@ -154,9 +150,17 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ids: int
     return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
 
 
-def _length_until_eos(row: list[int], eos: set[int]) -> int:
-    """Generated tokens up to and including the first EOS (padding after it is not counted)."""
-    for i, tok in enumerate(row):
-        if tok in eos:
-            return i + 1
-    return len(row)
+def generated(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: torch.Tensor,
+    prompt_length: int,
+    eos_token_id: int | list[int] | None = None,
+) -> tuple[list[str], list[int]]:
+    """What ``model.generate`` added after the ``prompt_length`` tokens of each row of ``out``: the texts and the
+    numbers of tokens, each up to and including its first EOS (:func:`eos_ids`; padding after it is not counted)."""
+    eos = eos_ids(model, tokenizer, eos_token_id)
+    rows = out[:, prompt_length:].tolist()
+    lengths = [next((i + 1 for i, token in enumerate(row) if token in eos), len(row)) for row in rows]
+    texts = [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths, strict=True)]
+    return texts, lengths

@@ -39,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.api import _length_until_eos, eos_ids, make_cache
+from kvsieve.api import generated, make_cache
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.plan import DecodeBudget
@@ -157,9 +157,8 @@ class ContextQA:
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=max_new_tokens, **kwargs
             )
-        eos = eos_ids(self.model, self.tokenizer, kwargs.get("eos_token_id"))
-        rows = out[:, ids.shape[1] :].tolist()
-        return [self.tokenizer.decode(r[: _length_until_eos(r, eos)], skip_special_tokens=True).strip() for r in rows]
+        texts, _ = generated(self.model, self.tokenizer, out, ids.shape[1], kwargs.get("eos_token_id"))
+        return [text.strip() for text in texts]
 
     def save(self, path: str | Path) -> Path:
         """Write the compressed context to ``path`` (safetensors; see the module docstring); the path."""

@@ -302,3 +302,16 @@ def test_a_cache_serves_one_model(llama_gqa, make_ids, tiny_factory) -> None:
     mha = tiny_factory("llama_mha")
     with pytest.raises(ValueError, match="holds 2 KV heads of dim 16, the model gives 4"), torch.inference_mode():
         mha(make_ids(1, 1), cache=cache)
+
+
+def test_generated_counts_each_row_up_to_its_first_eos(tiny_lm) -> None:
+    from kvsieve.api import generated
+
+    model, tokenizer = tiny_lm
+    words = tokenizer(" river town", add_special_tokens=False).input_ids
+    pad = tokenizer.pad_token_id
+    out = torch.tensor([[7, 7, *words, 2, pad, pad], [7, 7, *words, words[0], 2, 2], [7, 7, *words, words[0], 5, 6]])
+    texts, lengths = generated(model, tokenizer, out, prompt_length=2, eos_token_id=2)
+    assert lengths == [len(words) + 1, len(words) + 2, len(words) + 3]  # (the EOS counted, padding after it not)
+    assert texts[0] == tokenizer.decode(words, skip_special_tokens=True)
+    assert generated(model, tokenizer, out, 2, eos_token_id=[5, 2])[1][2] == len(words) + 2

@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from kvsieve.api import _length_until_eos, eos_ids, make_cache
+from kvsieve.api import generated, make_cache
 from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.policies import REGISTRY, get_policy
 from kvsieve.ruler.scoring import score
@@ -226,10 +226,8 @@ def predict(
             streamer=streamer,
         )
     end = time.perf_counter()
-    row = out[0, ids.shape[1] :].tolist()
-    n = _length_until_eos(row, eos_ids(model, tokenizer))
-    text = tokenizer.decode(row[:n], skip_special_tokens=True).strip()
-    return text, n, (streamer.at or end) - start, end - start
+    (text,), (n,) = generated(model, tokenizer, out, ids.shape[1])
+    return text.strip(), n, (streamer.at or end) - start, end - start
 
 
 def answer(
