@@ -13,6 +13,8 @@ import hashlib
 import json
 import logging
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,6 +247,58 @@ def check_model_dir(path: Path) -> None:
         raise FileNotFoundError(f"model directory {path} has no tokenizer ({' / '.join(TOKENIZER_FILES)})")
 
 
+def _source(name_or_path: str) -> tuple[str, str | None]:
+    """Where a model loads from: a local directory (fetched and converted first for a built-in name or a ``.gguf``)
+    or a Hub id, and the Hub id (None for a local source); errors name what is missing."""
+    local = None
+    if name_or_path in BUILTIN_MODELS:
+        local = ensure_model(name_or_path)
+    elif name_or_path.lower().endswith(".gguf"):
+        local = ensure_gguf(name_or_path)
+    elif Path(name_or_path).expanduser().exists():
+        local = Path(name_or_path).expanduser()
+    if local is not None:
+        check_model_dir(local)
+        return str(local), None
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
+            "an existing local directory, nor a valid Hugging Face Hub id"
+        ) from None
+    return name_or_path, name_or_path
+
+
+@contextmanager
+def _from_hub(hub_id: str | None) -> Iterator[None]:
+    """A Hub id that cannot be loaded is a :class:`FetchError` saying why (offline, or not found)."""
+    try:
+        yield
+    except OSError as err:
+        if hub_id is None:
+            raise
+        offline = " (HF_HUB_OFFLINE is set)" if is_offline_mode() else ""
+        raise FetchError(
+            f"model {hub_id!r} is not a local directory and could not be loaded from the Hugging Face Hub"
+            f"{offline}; pass a local model directory, or set HF_HUB_OFFLINE=0 with network access"
+        ) from err
+
+
+def _tokenizer(source: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str = "smollm2-135m") -> PreTrainedTokenizerBase:
+    """The tokenizer :func:`load_model` gives with the model (a pad token always), without loading the weights."""
+    source, hub_id = _source(name_or_path)
+    with _from_hub(hub_id):
+        return _tokenizer(source)
+
+
 def load_model(
     name_or_path: str = "smollm2-135m",
     *,
@@ -265,42 +319,15 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     device = resolve_device(device)
-    hub_id = None
-    if name_or_path in BUILTIN_MODELS:
-        source = str(ensure_model(name_or_path))
-    elif name_or_path.lower().endswith(".gguf"):
-        source = str(ensure_gguf(name_or_path))
-    elif Path(name_or_path).expanduser().exists():
-        source = str(Path(name_or_path).expanduser())
-    else:
-        try:
-            validate_repo_id(name_or_path)
-        except HFValidationError:
-            raise FileNotFoundError(
-                f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
-                "an existing local directory, nor a valid Hugging Face Hub id"
-            ) from None
-        source = hub_id = name_or_path
-    if hub_id is None:
-        check_model_dir(Path(source))
+    source, hub_id = _source(name_or_path)
     kvsieve_attention = attn_implementation == "kvsieve"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+    with _from_hub(hub_id):
+        tokenizer = _tokenizer(source)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=None if kvsieve_attention else attn_implementation
         )
-    except OSError as err:
-        if hub_id is None:
-            raise
-        offline = " (HF_HUB_OFFLINE is set)" if is_offline_mode() else ""
-        raise FetchError(
-            f"model {hub_id!r} is not a local directory and could not be loaded from the Hugging Face Hub"
-            f"{offline}; pass a local model directory, or set HF_HUB_OFFLINE=0 with network access"
-        ) from err
     if kvsieve_attention:  # the model's own implementation stays its fallback for other caches
         use_kvsieve_attention(model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.to(device).eval(), tokenizer

@@ -4,7 +4,7 @@ before anything runs.
 
 The grid: niah_single_1 and vt at 256 tokens, 2 samples, full plus h2o at 0.5 under both protocols, answers capped
 at 3 tokens, on a tiny random Llama with the real tokenizer saved as a model directory (``tiny_dir`` of
-tests/test_ray.py). The Ray tasks run in this process through a fake of ``ray_sweep.ray_tasks``, and once on a real
+tests/conftest.py). The Ray tasks run in this process through a fake of ``ray_sweep.ray_tasks``, and once on a real
 local Ray in a loopback-only network namespace (tests/ray_support.py).
 """
 
@@ -25,8 +25,6 @@ from kvsieve.evaluation import ray_sweep
 from kvsieve.evaluation.ray_sweep import RayOptions
 from kvsieve.models import load_model
 from kvsieve.ruler.run import GridSettings, grid_settings, run_ruler
-
-tiny_dir = test_ray.tiny_dir  # (the fixture: a tiny random Llama with the real tokenizer, saved as a model directory)
 
 TASKS = ["niah_single_1", "vt"]
 LENGTH = 256
@@ -137,8 +135,9 @@ def test_a_failed_sample_stores_nothing_and_the_command_reports_the_rest_then_na
     in_process, tmp_path, capsys, monkeypatch
 ) -> None:
     model, tokenizer = in_process["model"], in_process["tokenizer"]
-    loads = []
+    loads, tokenizers = [], []
     monkeypatch.setattr("kvsieve.models.load_model", lambda *a, **k: loads.append(k) or (model, tokenizer))
+    monkeypatch.setattr("kvsieve.models.load_tokenizer", lambda name: tokenizers.append(name) or tokenizer)
     seen = _fake_ray(monkeypatch, model, tokenizer)
     seen["fail"].add(("vt", 1))
     argv = _ruler(tmp_path, "--model", in_process["grid"].model, "--device", "cuda:1", "--json")
@@ -146,7 +145,7 @@ def test_a_failed_sample_stores_nothing_and_the_command_reports_the_rest_then_na
     error = json.loads(capsys.readouterr().out)["error"]
     assert error.startswith("1 sample(s) failed after their retries, nothing stored for them")
     assert error.endswith(": vt 256 #1; the first error: ValueError: injected failure")
-    assert loads == [{"device": "cpu", "dtype": None}]  # this process: the tokenizer; the workers: --device
+    assert loads == [] and tokenizers == [in_process["grid"].model]  # this process: the tokenizer alone
     assert {device for *_, device in seen["models"]} == {"cuda:1"}
     assert seen["calls"][0][0][3] == RayOptions(address="auto", max_retries=0)
     rows = json.loads((tmp_path / "results.json").read_text())  # the report of what finished

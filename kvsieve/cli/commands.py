@@ -327,12 +327,12 @@ def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
     """With ``--ray`` the samples are Ray tasks, each with ``--cpus-per-cell`` threads (``--threads`` is refused), on
-    the workers' ``--device``; this process loads the model on the CPU for its tokenizer (the samples' lengths and
-    prompts). Samples that failed on Ray: the report of the rest is written, then a one-line error names them."""
+    the workers' ``--device``; this process loads only the tokenizer (the samples' lengths and prompts). Samples
+    that failed on Ray: the report of the rest is written, then a one-line error names them."""
     import torch
 
     from kvsieve.evaluation.defaults import QUESTION_MODES
-    from kvsieve.models import load_model
+    from kvsieve.models import load_model, load_tokenizer, resolve_dtype
     from kvsieve.ruler import run
     from kvsieve.ruler.report import write_report
 
@@ -352,16 +352,17 @@ def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
         )
         tasks = args.tasks or list(run.TASKS)
         haystack = run.haystack_name(args.file)  # (a missing --file fails before the model loads)
-        model, tokenizer = load_model(args.model, device="cpu" if ray is not None else args.device, dtype=args.dtype)
+        if ray is None:
+            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        else:  # (this process answers nothing: the workers load the model, this one its tokenizer)
+            model, tokenizer = None, load_tokenizer(args.model)
         grid = run.GridSettings(
             model=args.model,
-            dtype=str(model.dtype).removeprefix("torch."),
+            dtype=str(resolve_dtype(args.dtype)).removeprefix("torch."),
             seed=args.seed,
             haystack=haystack,
             chat_template=not args.no_chat_template,
         )
-        if ray is not None:
-            model = None  # (this process answers nothing: its weights are freed, the workers load their own)
         try:
             run.run_ruler(
                 model,
