@@ -53,17 +53,12 @@ def test_what_the_engine_infers() -> None:
     }  # fmt: skip
 
 
-def test_only_attention_policies_ask_for_probabilities() -> None:
-    baselines = ("strided", "fixed", "random", "tova", "snapkv", "knorm", "topk_oracle")
-    assert {name for name in baselines if REGISTRY[name].needs_attention} == {"tova", "snapkv", "topk_oracle"}
-
-
 def test_registering_a_second_policy_under_a_name_is_an_error() -> None:
     with pytest.raises(ValueError, match="a policy named 'h2o' is already registered"):
         register(type("Other", (Policy,), {"name": "h2o"}))
 
 
-def test_a_policy_that_keeps_everything_has_no_priorities(llama_gqa) -> None:
+def test_a_policy_that_keeps_everything_has_no_priorities() -> None:
     full = REGISTRY["full"](None)
     with pytest.raises(NotImplementedError, match="full keeps everything"):
         full.keep_scores(None)

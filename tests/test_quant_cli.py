@@ -192,8 +192,9 @@ def test_bench_checks_quantized_cells_against_the_floor_apart(capsys, tiny_dir) 
     assert quant["budget_tokens"] == 512 and quant["ratios"]["vs_floor"]["step_ms_p50"] > 0
     assert quant["kv_bytes"] == _quant_bytes(_slots(cells["h2o"]["kv_bytes"]), 4, 8)  # real bytes, not dequantized
     checks = {c["check"].split(" (")[0]: c for c in out["checks"]}
-    assert "kv_bits=4" in checks["decode step of quantized slots"]["measured"]
-    assert checks["decode step of quantized slots"]["passed"] is not None
+    check = checks["decode step of quantized slots"]
+    assert "kv_bits=4" in check["measured"]
+    assert check["passed"] is (quant["ratios"]["vs_floor"]["step_ms_p50"] <= 1.3)  # (the quantized cell alone)
     for name, check in checks.items():
         if name != "decode step of quantized slots":
             assert "kv_bits" not in check["measured"], name
