@@ -312,7 +312,7 @@ def check_cancel_and_queue(base: str, one: int) -> None:
 
 
 def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> None:
-    base = serve(kv_cap_bytes=200_000)
+    base = serve(kv_cap_bytes=200_000, max_queue=16)
     good = {"model": NAME, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
     chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     cases = [
@@ -326,13 +326,18 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> N
         ({**good, "prompt": [5] * 1020, "max_tokens": 10}, 400, "max_tokens"),  # past the model's 1024 positions
         ({**good, "prompt": [10**9]}, 400, "prompt"),
         ({**good, "prompt": ""}, 400, "prompt"),
-        ({**good, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({**good, "prompt": ["a", ""]}, 400, "prompt"),
+        ({**good, "prompt": [[5, 6], []]}, 400, "prompt"),
+        ({**good, "prompt": ["a", [5]]}, 400, "prompt"),
+        ({**good, "prompt": ["a"] * 17}, 400, "prompt"),  # (more prompts than the queue holds)
         ({**good, "n": 2}, 400, "n"),
-        ({**good, "logprobs": 3}, 400, "logprobs"),
-        ({**good, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({**good, "logprobs": 21}, 400, "logprobs"),
+        ({**good, "logprobs": -1}, 400, "logprobs"),
+        ({**good, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({**good, "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
         ({**good, "best_of": 3}, 400, "best_of"),
         ({**good, "tools": []}, 400, "tools"),
-        ({**good, "max_tokens": 0}, 400, "max_tokens"),
+        ({**good, "max_tokens": 0}, 400, "max_tokens"),  # (0 only with echo: scoring the prompt)
         ({**good, "temperature": 3}, 400, "temperature"),
         ({**good, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({k: v for k, v in good.items() if k != "prompt"}, 400, "prompt"),
@@ -347,14 +352,19 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> N
         for path, raw in (("/v1/completions", b'{"model": "tiny", "prompt": '), ("/v1/chat/completions", b"[1, 2")):
             got = http.post(path, content=raw, headers={"content-type": "application/json"})
             assert got.status_code == 400 and "not valid JSON" in got.json()["error"]["message"]
-        for body, param in (({**chat, "messages": []}, "messages"), ({**chat, "functions": []}, "functions")):
+        for body, param in (
+            ({**chat, "messages": []}, "messages"),
+            ({**chat, "functions": []}, "functions"),
+            ({**chat, "top_logprobs": 2}, "top_logprobs"),  # (without logprobs: true)
+            ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ):
             got = http.post("/v1/chat/completions", json=body)
             assert got.status_code == 400 and got.json()["error"]["param"] == param
         got = http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "robot", "content": "x"}]})
         assert got.status_code == 400 and got.json()["error"]["param"].startswith("messages.0.role")
         assert http.post("/v1/completions", json=good).status_code == 200
         assert http.get("/health").json()["status"] == "ok"
-    assert metric(base, 'kvsieve_requests_rejected_total{reason="invalid"}') == len(cases) + 5
+    assert metric(base, 'kvsieve_requests_rejected_total{reason="invalid"}') == len(cases) + 7
 
 
 def test_full_requests_admitted_together_decode_in_one_batch(serve, tiny_lm) -> None:

@@ -454,9 +454,17 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError as err:
         missing = f"kvsieve serve needs the serve extra ({err.name} is missing)"
         raise ValueError(f"{missing}: pip install 'kvsieve[serve]'") from None
+    import os
+
+    from kvsieve.server.security import exposure_warning
+
     if args.schedule != "uniform":
         raise ValueError("the server shares budgets uniformly; a request may carry schedule= in its kv_policy spec")
     defaults = KVSpec(_spec(args), args.budget, _policy_kwargs(args))
+    api_key = args.api_key or os.environ.get("KVSIEVE_API_KEY") or None
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     model, tokenizer = _load(args)
     app = build_app(
         model,
@@ -467,6 +475,8 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         prefill_tokens=args.prefill_tokens,
+        api_key=api_key,
+        max_body_bytes=int(args.max_body_mb * 2**20),
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return {}

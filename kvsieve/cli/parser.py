@@ -384,6 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens prefilled per step at most (one prompt at least): bounds the running requests' stall",
     )
     p.add_argument("--served-name", help="the model name clients send (default: --model)")
+    p.add_argument(
+        "--api-key",
+        help="clients must send 'Authorization: Bearer KEY' (every path but /health; default: $KVSIEVE_API_KEY, "
+        "else none)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=POSITIVE,
+        default=16.0,
+        help="request bodies larger than this are refused (413) before parsing (default 16)",
+    )
 
     from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES
 

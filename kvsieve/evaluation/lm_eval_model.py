@@ -58,6 +58,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models: it registers them only while its registry is empty)
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model

@@ -1,20 +1,32 @@
 """The HTTP side of ``kvsieve serve``: OpenAI-compatible routes over the :class:`~kvsieve.server.scheduler.Scheduler`.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events in OpenAI's chunk format
-with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Errors are OpenAI's JSON
-(``{"error": {"message", "type", "param"}}``): 400 for a request the server cannot run as asked, 404 for an unknown
-model, 429 with ``Retry-After`` when the queue is full.
+with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's). Errors are OpenAI's JSON
+(``{"error": {"message", "type", "param"}}``): 400 for a request the server cannot run as asked, 401 without the API
+key (when the server has one), 404 for an unknown model, 413 for a body over the limit, 429 with ``Retry-After``
+when the queue is full.
+
+Completions take a list of prompts (a choice each, in order; usage summed), ``logprobs`` (each generated token's
+log-probability and the top ``logprobs``) and ``echo``; ``echo`` with ``logprobs`` scores the prompt as the lm-eval
+model ``kvsieve`` does with ``protocol=stream`` (the request's policy, its ratio budget of the whole prompt, eviction
+from the first token): lm-eval's ``local-completions`` model gets the log-likelihoods the in-process model computes.
+Chat takes ``logprobs`` and ``top_logprobs``. Both take OpenAI's ``presence_penalty`` and ``frequency_penalty`` and
+vLLM's ``repetition_penalty``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.engine.budget import parse_budget
-from kvsieve.server.decoding import Sampler
+from kvsieve.server.decoding import Sampler, TokenLogprob
 from kvsieve.server.metrics import Metrics
 from kvsieve.server.scheduler import (
     Delta,
@@ -35,8 +47,16 @@ from kvsieve.server.scheduler import (
     Overloaded,
     RequestError,
     Scheduler,
+    Scored,
 )
-from kvsieve.server.schemas import ChatRequest, CompletionRequest, GenerationFields
+from kvsieve.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerationFields,
+    TokenizeRequest,
+)
+from kvsieve.server.security import DEFAULT_MAX_BODY_MB, Guard
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 CHAT_MAX_TOKENS = 512  # (OpenAI's chat default is the rest of the context; the server needs a bound to reserve KV)
@@ -67,8 +87,12 @@ def build_app(
     max_batch: int = 16,
     max_queue: int = 64,
     prefill_tokens: int = 512,
+    api_key: str | None = None,
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20),
 ) -> FastAPI:
-    """The server's app: one :class:`Scheduler` owning ``model``, started and stopped with the app."""
+    """The server's app: one :class:`Scheduler` owning ``model``, started and stopped with the app. ``api_key``:
+    every path but ``/health`` needs ``Authorization: Bearer <api_key>``; a body over ``max_body_bytes`` is a 413
+    (:mod:`kvsieve.server.security`)."""
     metrics = Metrics(kv_cap_bytes)
     scheduler = Scheduler(
         model,
@@ -91,6 +115,12 @@ def build_app(
             scheduler.stop()
 
     app = FastAPI(title="kvsieve", lifespan=lifespan)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        on_reject=lambda reason: metrics.rejected.labels(reason).inc(),
+    )
     app.state.scheduler = scheduler
     created = int(time.time())
     vocab = len(tokenizer)
@@ -124,75 +154,195 @@ def build_app(
     async def failed(request: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error")
 
-    def start(body: GenerationFields, prompt: list[int], default_tokens: int) -> tuple[Job, asyncio.Queue[Event]]:
-        """Check ``body``, make its job and queue it; the queue its events arrive in."""
+    def start(
+        body: GenerationFields, prompts: list[list[int]], default_tokens: int, *, logprobs: int | None, score: bool
+    ) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
+        """Check ``body``, make a job per prompt and queue them all; the queue their events arrive in, each with its
+        prompt's index. ``score``: the prompts are scored (echo)."""
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server runs {model_name!r}", "model")
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(not 0 <= t < vocab for prompt in prompts for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         limit = body.token_limit() if isinstance(body, ChatRequest) else body.max_tokens
-        if limit is None and scheduler.max_positions is not None:
-            default_tokens = max(1, min(default_tokens, scheduler.max_positions - len(prompt)))
+        if limit is not None and body.min_tokens > limit:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({limit})", "min_tokens")
+        stop_ids = frozenset(body.stop_token_ids or ()) | (frozenset() if body.ignore_eos else scheduler.eos)
         spec = request_spec(body, defaults)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def emit(event: Event) -> None:
-            with suppress(RuntimeError):  # (the event loop has closed: nobody is listening)
-                loop.call_soon_threadsafe(events.put_nowait, event)
+        def emitter(index: int) -> Callable[[Event], None]:
+            def emit(event: Event) -> None:
+                with suppress(RuntimeError):  # (the event loop has closed: nobody is listening)
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
-        sampler = Sampler(body.temperature, body.top_p, body.seed)
+            return emit
+
+        jobs = []
         try:
-            job = scheduler.new_job(prompt, spec, limit or default_tokens, sampler, body.stop, emit)
+            for index, prompt in enumerate(prompts):
+                tokens = limit
+                if tokens is None:
+                    room = default_tokens if scheduler.max_positions is None else scheduler.max_positions - len(prompt)
+                    tokens = max(1, min(default_tokens, room))
+                sampler = Sampler(
+                    body.temperature,
+                    body.top_p,
+                    body.seed,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    prompt=prompt,
+                    min_tokens=body.min_tokens,
+                    suppressed=sorted(stop_ids),
+                )
+                job = scheduler.new_job(
+                    prompt,
+                    spec,
+                    tokens,
+                    sampler,
+                    body.stop,
+                    emitter(index),
+                    logprobs=logprobs,
+                    echo=score,
+                    stop_ids=stop_ids,
+                )
+                jobs.append(job)
+            scheduler.submit(*jobs)
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
-        scheduler.submit(job)
-        return job, events
+        return jobs, events
 
     def encode(text: str, special: bool) -> list[int]:
         with scheduler.tokenizer_lock:
             return tokenizer(text, add_special_tokens=special).input_ids
 
+    def decode(ids: list[int]) -> str:
+        with scheduler.tokenizer_lock:
+            return tokenizer.decode(ids)
+
+    @cache
+    def piece(token: int) -> str:
+        """A token's own text (what a log-probability entry names it by)."""
+        return decode([token])
+
+    def completion_logprobs(entries: Sequence[TokenLogprob], offset: int) -> dict[str, Any]:
+        """OpenAI's completions ``logprobs`` object; ``text_offset`` counts from ``offset``."""
+        tokens = [piece(entry.token) for entry in entries]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
+        top: list[dict[str, float] | None] = []
+        for entry, token in zip(entries, tokens, strict=True):
+            if entry.logprob is None:
+                top.append(None)
+            else:
+                ranked = {piece(i): logprob for i, logprob in entry.top}
+                ranked.setdefault(token, entry.logprob)  # (the chosen token is always there, as vLLM does)
+                top.append(ranked)
+        logprobs = [entry.logprob for entry in entries]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """OpenAI's chat ``logprobs`` object: ``content``, an entry per token."""
+
+        def item(token: int, logprob: float | None) -> dict[str, Any]:
+            text = piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(*t) for t in e.top]} for e in entries]}
+
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest) -> Response:
         metrics.requests.labels("completions").inc()
-        prompt = encode(body.prompt, True) if isinstance(body.prompt, str) else list(body.prompt)
-        job, events = start(body, prompt, COMPLETION_MAX_TOKENS)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 only scores the prompt: set echo (and logprobs)", "max_tokens")
+        prompts = [encode(p, True) if isinstance(p, str) else list(p) for p in body.prompt]
+        score = body.echo and (body.logprobs is not None or body.max_tokens == 0)
+        jobs, events = start(body, prompts, COMPLETION_MAX_TOKENS, logprobs=body.logprobs, score=score)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
         meta["model"] = model_name
+        given = zip(body.prompt, prompts, strict=True)
+        heads = [(p if isinstance(p, str) else decode(ids)) if body.echo else "" for p, ids in given]
+        offsets = [0] * len(prompts)
 
-        def choice(text: str, reason: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        def choice(index: int, text: str, entries: Sequence[TokenLogprob], reason: str | None) -> dict[str, Any]:
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(entries, offsets[index])
+                offsets[index] += sum(len(token) for token in logprobs["tokens"])
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         if body.stream:
-            return stream(job, events, meta, choice, body)
-        text, end = await collect(job, events)
-        return JSONResponse({**meta, "choices": [choice(text, end.reason)], **report(end)})
+            opening = [] if score else [choice(i, head, (), None) for i, head in enumerate(heads) if head]
+            return stream(jobs, events, meta, choice, body, opening, heads)
+        outcomes = await collect(jobs, events)
+        choices = [
+            choice(i, heads[i] + out.text, [*out.prompt, *out.tokens] if body.echo else out.tokens, out.end.reason)
+            for i, out in enumerate(outcomes)
+        ]
+        return JSONResponse({**meta, "choices": choices, **report(outcomes)})
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest) -> Response:
         metrics.requests.labels("chat").inc()
         if not tokenizer.chat_template:
             raise APIError(400, f"the model {model_name!r} has no chat template: use /v1/completions", "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         with scheduler.tokenizer_lock:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        job, events = start(body, encode(text, False), CHAT_MAX_TOKENS)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        jobs, events = start(body, [encode(text, False)], CHAT_MAX_TOKENS, logprobs=logprobs, score=False)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time())}
         meta["model"] = model_name
         if body.stream:
             first = [True]
 
-            def delta(text: str, reason: str | None) -> dict[str, Any]:
-                piece = {"role": "assistant", "content": text} if first[0] else {"content": text} if text else {}
+            def delta(index: int, text: str, entries: Sequence[TokenLogprob], reason: str | None) -> dict[str, Any]:
+                content = {"role": "assistant", "content": text} if first[0] else {"content": text} if text else {}
                 first[0] = False
-                return {"index": 0, "delta": piece, "finish_reason": reason}
+                scored = chat_logprobs(entries) if logprobs is not None and entries else None
+                return {"index": index, "delta": content, "logprobs": scored, "finish_reason": reason}
 
-            return stream(job, events, {**meta, "object": "chat.completion.chunk"}, delta, body)
-        text, end = await collect(job, events)
-        message = {"role": "assistant", "content": text}
-        choices = [{"index": 0, "message": message, "finish_reason": end.reason}]
-        return JSONResponse({**meta, "choices": choices, **report(end)})
+            return stream(jobs, events, {**meta, "object": "chat.completion.chunk"}, delta, body, [], [""])
+        (out,) = await collect(jobs, events)
+        message = {"role": "assistant", "content": out.text}
+        scored = chat_logprobs(out.tokens) if logprobs is not None else None
+        choices = [{"index": 0, "message": message, "logprobs": scored, "finish_reason": out.end.reason}]
+        return JSONResponse({**meta, "choices": choices, **report([out])})
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server runs {model_name!r}", "model")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the token ids of a prompt, or of chat messages through the chat template."""
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt or messages", "prompt")
+        if body.messages is not None:
+            if not tokenizer.chat_template:
+                raise APIError(400, f"the model {model_name!r} has no chat template", "messages")
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            with scheduler.tokenizer_lock:
+                text = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                )
+            tokens = encode(text, bool(body.add_special_tokens))
+        else:
+            tokens = encode(body.prompt or "", body.add_special_tokens is not False)
+        return {"count": len(tokens), "max_model_len": scheduler.max_positions, "tokens": tokens, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's: the text of token ids."""
+        check_model(body.model)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -222,62 +372,107 @@ def request_spec(body: GenerationFields, defaults: KVSpec) -> KVSpec:
     return KVSpec(body.kv_policy or defaults.policy, budget, dict(params))
 
 
-def usage(end: Finished) -> dict[str, int]:
-    total = end.prompt_tokens + end.completion_tokens
-    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens, "total_tokens": total}
+def usage(ends: Sequence[Finished]) -> dict[str, int]:
+    """OpenAI's usage, summed over a request's prompts."""
+    prompt = sum(end.prompt_tokens for end in ends)
+    completion = sum(end.completion_tokens for end in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def report(end: Finished) -> dict[str, Any]:
-    """The response's usage and kvsieve fields."""
-    return {"usage": usage(end), "kvsieve": end.kv}
+@dataclass
+class Outcome:
+    """What one prompt of a request gave: its text, its prompt's and generated tokens' log-probabilities (when
+    asked) and its end."""
+
+    pieces: list[str] = field(default_factory=list)
+    prompt: tuple[TokenLogprob, ...] = ()
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    ended: Finished | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def end(self) -> Finished:
+        assert self.ended is not None
+        return self.ended
 
 
-async def collect(job: Job, events: asyncio.Queue[Event]) -> tuple[str, Finished]:
-    """The whole text of a job and its end; a 500 if it failed."""
-    pieces = []
+def report(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """The response's usage and kvsieve fields (the cache of its one prompt, or a list: one per prompt)."""
+    kv = [out.end.kv for out in outcomes]
+    return {"usage": usage([out.end for out in outcomes]), "kvsieve": kv[0] if len(kv) == 1 else kv}
+
+
+async def collect(jobs: Sequence[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Outcome]:
+    """What each job gave once all ended; a 500 if one failed."""
+    outcomes = [Outcome() for _ in jobs]
+    left = len(jobs)
     try:
-        while True:
-            event = await events.get()
-            if isinstance(event, Delta):
-                pieces.append(event.text)
+        while left:
+            index, event = await events.get()
+            out = outcomes[index]
+            if isinstance(event, Scored):
+                out.prompt = event.logprobs
+            elif isinstance(event, Delta):
+                out.pieces.append(event.text)
+                out.tokens.extend(event.logprobs)
             elif isinstance(event, Finished):
-                return "".join(pieces), event
+                out.ended = event
+                left -= 1
             else:
                 raise APIError(500, event.message, None, "server_error")
+        return outcomes
     finally:
-        job.cancel()  # (a no-op once it ended; frees its rows if the handler was cancelled)
+        for job in jobs:
+            job.cancel()  # (a no-op once it ended; frees its rows if the handler was cancelled)
+
+
+Choice = Callable[[int, str, Sequence[TokenLogprob], str | None], dict[str, Any]]
+"""``(index, text, log-probabilities, finish reason)`` → a choice of a chunk."""
 
 
 def stream(
-    job: Job,
-    events: asyncio.Queue[Event],
+    jobs: Sequence[Job],
+    events: asyncio.Queue[tuple[int, Event]],
     meta: dict[str, Any],
-    choice: Callable[[str, str | None], dict[str, Any]],
+    choice: Choice,
     body: GenerationFields,
+    opening: list[dict[str, Any]],
+    heads: list[str],
 ) -> StreamingResponse:
-    """Server-sent events: a chunk per piece of text, the last with the finish reason (and the kvsieve fields), a
-    usage chunk if ``stream_options.include_usage``, then ``[DONE]``. A client that goes away cancels the job."""
+    """Server-sent events: the ``opening`` choices, a chunk per scored prompt (its text ``heads[i]``) and per piece
+    of text, each prompt's last with its finish reason (and its kvsieve fields), a usage chunk if
+    ``stream_options.include_usage``, then ``[DONE]``. A client that goes away cancels the jobs."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     def sse(payload: Any) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
     async def chunks() -> AsyncIterator[str]:
+        ends: list[Finished] = []
         try:
-            while True:
-                event = await events.get()
-                if isinstance(event, Delta):
-                    yield sse({**meta, "choices": [choice(event.text, None)]})
+            for opened in opening:
+                yield sse({**meta, "choices": [opened]})
+            while len(ends) < len(jobs):
+                index, event = await events.get()
+                if isinstance(event, Scored):
+                    yield sse({**meta, "choices": [choice(index, heads[index], event.logprobs, None)]})
+                elif isinstance(event, Delta):
+                    yield sse({**meta, "choices": [choice(index, event.text, event.logprobs, None)]})
                 elif isinstance(event, Finished):
-                    yield sse({**meta, "choices": [choice("", event.reason)], "kvsieve": event.kv})
-                    if include_usage:
-                        yield sse({**meta, "choices": [], "usage": usage(event)})
-                    break
+                    ends.append(event)
+                    yield sse({**meta, "choices": [choice(index, "", (), event.reason)], "kvsieve": event.kv})
                 else:
                     yield sse({"error": {"message": event.message, "type": "server_error", "param": None}})
                     break
+            else:
+                if include_usage:
+                    yield sse({**meta, "choices": [], "usage": usage(ends)})
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()
+            for job in jobs:
+                job.cancel()
 
     return StreamingResponse(chunks(), media_type="text/event-stream")

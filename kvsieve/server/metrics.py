@@ -18,7 +18,7 @@ class Metrics:
         self.admitted = Counter("kvsieve_requests_admitted", "Requests admitted to run", registry=registry)
         self.rejected = Counter(
             "kvsieve_requests_rejected",
-            "Requests refused: invalid (4xx) or queue_full (429)",
+            "Requests refused: invalid (4xx), unauthorized (401), too_large (413) or queue_full (429)",
             ["reason"],
             registry=registry,
         )

@@ -7,7 +7,10 @@ ratio budget resolved against its own prompt), and is prefilled alone: what it k
 decodes every running batch one token (one forward pass per batch, each row at its own position), then lets the new
 requests join a batch of caches made alike (same policy, parameters and budget in tokens:
 :meth:`~kvsieve.engine.cache.SieveCache.join`) or start one. Requests with different policies or budgets decode
-in different batches, one forward pass each. A request leaves at the step after it ends or its client goes: its
+in different batches, one forward pass each. A request that asks for the log-probabilities of its prompt (``echo``
+with ``logprobs``) is prefilled under the stream protocol (eviction from its first token, as the lm-eval model
+``kvsieve`` scores with ``protocol=stream``), every position's logits kept; one with ``max_tokens=0`` ends there.
+A request leaves at the step after it ends or its client goes: its
 rows are dropped (``batch_select_indices``).
 
 Before serving, :meth:`Scheduler.warm_up` runs the default policy once over a prompt longer than its budget, so that
@@ -38,7 +41,7 @@ from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.compiled import compilations
 from kvsieve.evaluation.compare import greedy_continue
 from kvsieve.policies import get_policy, resolve_spec
-from kvsieve.server.decoding import Sampler, TextStream
+from kvsieve.server.decoding import Sampler, TextStream, TokenLogprob, token_logprobs
 from kvsieve.server.memory import Reservation, reservation
 from kvsieve.server.metrics import Metrics
 
@@ -72,9 +75,18 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of a running request."""
+    """New text of a running request, and the log-probabilities of the tokens generated since the last delta (when
+    the request asked for them)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The log-probabilities of a request's prompt tokens (``echo`` with ``logprobs``), the first one's None."""
+
+    logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -94,7 +106,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+Event = Scored | Delta | Finished | Failed
 
 
 @dataclass(eq=False)
@@ -111,9 +123,17 @@ class Job:
     text: TextStream
     emit: Callable[[Event], None]
     """Hands an event to the request's HTTP handler (from the worker thread)."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and the top ``logprobs`` (None: none)."""
+    echo: bool = False
+    """Score the prompt (under the stream protocol) before generating: a :class:`Scored` event."""
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end it (EOS unless ``ignore_eos``, and ``stop_token_ids``)."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     generated: list[int] = field(default_factory=list)
+    pending: list[TokenLogprob] = field(default_factory=list)
+    """Log-probabilities of generated tokens not handed out yet (their text may be held back)."""
     peak: int = 0
     """The most bytes its cache held after a step (in a batch: the batch's bytes over its rows)."""
     done: bool = False
@@ -198,12 +218,19 @@ class Scheduler:
         sampler: Sampler,
         stop: list[str],
         emit: Callable[[Event], None],
+        *,
+        logprobs: int | None = None,
+        echo: bool = False,
+        stop_ids: frozenset[int] | None = None,
     ) -> Job:
         """A job for ``prompt`` with its cache made and its bytes computed; a :class:`RequestError` for an unknown
         policy, a bad parameter or budget, or a request that exceeds the model's positions or could never fit the
-        cap."""
+        cap. ``logprobs``: report the generated tokens' log-probabilities (and the top ``logprobs``); ``echo``: score
+        the prompt too (then ``max_tokens`` may be 0); ``stop_ids``: the tokens that end it (default: EOS)."""
         if not prompt:
             raise RequestError("the prompt is empty", "prompt")
+        if max_tokens < (0 if echo else 1):
+            raise RequestError("max_tokens must be at least 1 (0 only to score the prompt: echo)", "max_tokens")
         if self.max_positions is not None and len(prompt) + max_tokens > self.max_positions:
             raise RequestError(
                 f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the model's "
@@ -225,7 +252,7 @@ class Scheduler:
             cache.resolve(len(prompt))
         except ValueError as err:
             raise RequestError(str(err), "kv_budget") from None
-        reserved = reservation(self.model, cache, len(prompt), max_tokens)
+        reserved = reservation(self.model, cache, len(prompt), max(max_tokens, 1))
         if reserved.peak > self.kv_cap_bytes:
             raise RequestError(
                 f"this request needs {reserved.peak} bytes of KV cache, more than the server's cap of "
@@ -233,16 +260,22 @@ class Scheduler:
                 "kv_budget",
             )
         text = TextStream(self.tokenizer, stop, self.tokenizer_lock)
-        return Job(prompt, spec, cache, reserved, max_tokens, sampler, text, emit)
+        ends = self.eos if stop_ids is None else stop_ids
+        job = Job(prompt, spec, cache, reserved, max_tokens, sampler, text, emit)
+        job.logprobs, job.echo, job.stop_ids = logprobs, echo, frozenset(ends)
+        return job
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job`` (the worker admits it when it fits); :class:`Overloaded` if the queue is full."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` all or none (the worker admits each when it fits): :class:`Overloaded` if the queue has no
+        room for them all, a :class:`RequestError` if it never can."""
+        if len(jobs) > self.max_queue:
+            raise RequestError(f"at most {self.max_queue} prompts per request (the server's queue)", "prompt")
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(jobs) > self.max_queue:
                 raise Overloaded(self.retry_after())
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
 
@@ -338,7 +371,12 @@ class Scheduler:
                 return
             if job.done:  # (cancelled while it waited for its prefill)
                 continue
-            self._run(job.cache, [job], torch.tensor([job.prompt], device=self.model.device), None)
+            ids = torch.tensor([job.prompt], device=self.model.device)
+            if job.echo:  # (scored as the lm-eval model's stream protocol: eviction from the first token)
+                with job.cache.streaming(True):
+                    self._run(job.cache, [job], ids, None, score=True)
+            else:
+                self._run(job.cache, [job], ids, None)
             tokens += 1
             with self._cond:
                 self._reserved[job] = job.reserved.steady  # (the prefill's transient buffer is gone)
@@ -401,15 +439,36 @@ class Scheduler:
             batch.jobs.append(job)
         job.cache = None
 
-    def _run(self, cache: SieveCache, jobs: list[Job], ids: torch.Tensor, positions: torch.Tensor | None) -> None:
-        """One forward pass of ``jobs``' rows of ``cache``: each job's prompt or last token; each gets its next."""
+    def _run(
+        self,
+        cache: SieveCache,
+        jobs: list[Job],
+        ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        score: bool = False,
+    ) -> None:
+        """One forward pass of ``jobs``' rows of ``cache``: each job's prompt or last token; each gets its next.
+        ``score``: the one job's prompt is scored from every position's logits first."""
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+                keep = 0 if score else 1
+                out = self.model(
+                    input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep
+                )
             logits = out.logits[:, -1].float()
             held = cache.nbytes() // len(jobs)
+            if score:
+                (job,) = jobs
+                scored = token_logprobs(out.logits[0, :-1], job.prompt[1:], job.logprobs or 0)
+                job.emit(Scored((TokenLogprob(job.prompt[0], None), *scored)))
+                if job.max_tokens == 0:
+                    self._score_only(job, held)
+                    return
+            del out
             for job, row in zip(jobs, logits, strict=True):
-                self._emit(job, job.sampler(row), held)
+                token = job.sampler(row)
+                entry = None if job.logprobs is None else token_logprobs(row[None], [token], job.logprobs)[0]
+                self._emit(job, token, held, entry)
         except Exception as err:  # a request never takes the server down (a failed batch fails its requests)
             logger.exception("generation failed")
             for job in jobs:
@@ -417,21 +476,35 @@ class Scheduler:
                     job.emit(Failed(f"generation failed: {type(err).__name__}: {err}"))
                     self._end(job, "error")
 
-    def _emit(self, job: Job, token: int, held: int) -> None:
-        """Hand out ``job``'s next token; end it at EOS, a stop string or ``max_tokens``."""
+    def _score_only(self, job: Job, held: int) -> None:
+        """End a job that only scores its prompt (``max_tokens=0``)."""
+        job.peak = max(job.peak, held)
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+        job.emit(Finished("length", len(job.prompt), 0, job.kv_report()))
+        self._end(job, "length")
+
+    def _emit(self, job: Job, token: int, held: int, logprob: TokenLogprob | None = None) -> None:
+        """Hand out ``job``'s next token (and its log-probability); end it at EOS, a stop string or
+        ``max_tokens``."""
         first = not job.generated
         job.generated.append(token)
         job.peak = max(job.peak, held)
+        if logprob is not None:
+            job.pending.append(logprob)
         piece, stopped = job.text.push(token)
         if first:
             self.metrics.prompt_tokens.inc(len(job.prompt))
             self.metrics.ttft.observe(time.perf_counter() - job.arrived)
         self.metrics.generation_tokens.inc()
-        reason = "stop" if stopped or token in self.eos else "length" if len(job.generated) >= job.max_tokens else None
+        reason = (
+            "stop" if stopped or token in job.stop_ids else "length" if len(job.generated) >= job.max_tokens else None
+        )
         if reason is not None:
             piece += job.text.flush()
-        if piece:
-            job.emit(Delta(piece))
+        if piece or (reason is not None and job.pending):
+            job.emit(Delta(piece, tuple(job.pending)))
+            job.pending.clear()
         if reason is not None:
             job.emit(Finished(reason, len(job.prompt), len(job.generated), job.kv_report()))
             self._end(job, reason)

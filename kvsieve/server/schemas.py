@@ -1,6 +1,7 @@
 """The request bodies the server accepts: OpenAI's completion and chat fields that it implements, parameters that
-only have a neutral value here, and kvsieve's own fields (``kv_policy``, ``kv_budget``, ``kv_params``; the official
-client sends them through ``extra_body``). Anything else is refused (HTTP 400) rather than ignored."""
+only have a neutral value here (``logit_bias``, ``n``, ``best_of``, ``suffix``), vLLM's sampling extras, vLLM's
+``/tokenize`` and ``/detokenize`` bodies, and kvsieve's own fields (``kv_policy``, ``kv_budget``, ``kv_params``;
+the official client sends them through ``extra_body``). Anything else is refused (HTTP 400) rather than ignored."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a token may report (vLLM's default limit; OpenAI's is 5 for completions)."""
 
 
 class StreamOptions(BaseModel):
@@ -32,10 +35,15 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # OpenAI parameters accepted only at their neutral value (anything else changes the output in ways not built)
-    presence_penalty: float = 0
-    frequency_penalty: float = 0
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extras (the official client sends them through extra_body)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
     # kvsieve: the request's cache (defaults: the server's --policy, --budget, -p)
     kv_policy: str | None = None
     kv_budget: int | float | str | None = None
@@ -47,13 +55,6 @@ class GenerationFields(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported (only 0)")
-        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -71,25 +72,46 @@ class GenerationFields(BaseModel):
         return stops
 
 
-class CompletionRequest(GenerationFields):
-    """``POST /v1/completions``."""
+Prompt = str | list[int]
+"""One prompt: text or token ids."""
 
-    prompt: str | list[str] | list[int]
-    echo: Literal[False] = False
+
+class CompletionRequest(GenerationFields):
+    """``POST /v1/completions``. ``prompt``: one prompt (text or token ids) or a list of them, one choice each;
+    ``echo``: the choice's text starts with its prompt (with ``logprobs``: the prompt's tokens scored too);
+    ``logprobs``: each token's log-probability and the ``logprobs`` most likely tokens at its position;
+    ``max_tokens=0``: only with ``echo`` (score the prompt)."""
+
+    prompt: list[Prompt]
+    max_tokens: int | None = Field(None, ge=0)
+    echo: bool = False
     best_of: Literal[1] | None = None
-    logprobs: None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
-            value = value[0]
-        if not value:
-            raise ValueError("the prompt is empty")
-        return value
+    def _prompts(cls, value: Any) -> list[Any]:
+        """One prompt becomes a list of one."""
+        single = isinstance(value, str) or (isinstance(value, list) and bool(value) and _is_token(value[0]))
+        prompts = [value] if single else value
+        if not isinstance(prompts, list) or not prompts or not all(_is_prompt(p) for p in prompts):
+            raise ValueError(
+                "the prompt is a non-empty string or list of token ids, or a non-empty list of them (one kind)"
+            )
+        if len({type(p) for p in prompts}) > 1:
+            raise ValueError("the prompts are all strings or all lists of token ids")
+        return prompts
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_prompt(value: Any) -> bool:
+    return (isinstance(value, str) and bool(value)) or (
+        isinstance(value, list) and bool(value) and all(_is_token(t) for t in value)
+    )
 
 
 class ContentPart(BaseModel):
@@ -115,8 +137,31 @@ class ChatRequest(GenerationFields):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name), else ``max_tokens``."""
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` or chat ``messages`` (templated as for a chat request)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt, False for messages (the template has them)."""
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
