@@ -45,7 +45,9 @@ def _origin(result: dict[str, Any]) -> str:
     model = " ".join(str(p[k]) for k in ("model", "dtype") if p.get(k))
     return (
         f"*`{' '.join(p['command'])}` · {model} · {host}, {p['threads']} torch thread(s) · {versions} · kvsieve "
-        f"{p['kvsieve']} at {p['commit'] or 'an unknown commit'} · {p['date']}*\n"
+        f"{p['kvsieve']} at {p['commit'] or 'an unknown commit'} · {p['date']}"
+        + (f" · {p['note']}" if p.get("note") else "")
+        + "*\n"
     )
 
 
