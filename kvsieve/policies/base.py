@@ -265,6 +265,9 @@ class Policy:
             raise ValueError(f"{self.name}: budget must be a positive number of tokens, got {budget}")
         self.budget = budget if self.takes_budget() else None
         self.setup()
+        self.rule: ScanRule | None = self.scan_rule()
+        """:meth:`scan_rule`, stated once (the parameters never change; a plain attribute, which a compiled step
+        reads without a lock)."""
 
     @classmethod
     def takes_budget(cls) -> bool:
@@ -351,11 +354,6 @@ class Policy:
         run (:mod:`kvsieve.engine.compiled`: the stream protocol's scan, a decode step's victim), or None (the
         default): the engine calls them."""
         return None
-
-    @functools.cached_property
-    def rule(self) -> ScanRule | None:
-        """:meth:`scan_rule`, stated once (the parameters never change)."""
-        return self.scan_rule()
 
 
 class PositionalPolicy(Policy):
