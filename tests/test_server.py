@@ -330,7 +330,8 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> N
         ({**good, "prompt": [[5, 6], []]}, 400, "prompt"),
         ({**good, "prompt": ["a", [5]]}, 400, "prompt"),
         ({**good, "prompt": ["a"] * 17}, 400, "prompt"),  # (more prompts than the queue holds)
-        ({**good, "n": 2}, 400, "n"),
+        ({**good, "n": 0}, 400, "n"),
+        ({**good, "n": 129}, 400, "n"),
         ({**good, "logprobs": 21}, 400, "logprobs"),
         ({**good, "logprobs": -1}, 400, "logprobs"),
         ({**good, "presence_penalty": 2.5}, 400, "presence_penalty"),

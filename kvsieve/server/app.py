@@ -1,13 +1,16 @@
 """The HTTP side of ``kvsieve serve``: OpenAI-compatible routes over the :class:`~kvsieve.server.scheduler.Scheduler`.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events in OpenAI's chunk format
-with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize`` and
-``POST /detokenize`` (vLLM's). Errors are OpenAI's JSON
+with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``,
+``POST /detokenize`` and ``GET /tokenizer_info`` (vLLM's: what lm-eval's ``tokenizer_backend=auto`` or ``remote``
+tokenizes with). Errors are OpenAI's JSON
 (``{"error": {"message", "type", "param"}}``): 400 for a request the server cannot run as asked, 401 without the API
 key (when the server has one), 404 for an unknown model, 413 for a body over the limit, 429 with ``Retry-After``
 when the queue is full.
 
-Completions take a list of prompts (a choice each, in order; usage summed), ``logprobs`` (each generated token's
+Both take ``n`` (choices per prompt: the prompt prefilled once, its cache forked into ``n`` rows, row ``i`` sampled
+with ``seed + i`` as vLLM does; usage counts each prompt once). Completions take a list of prompts (``n`` choices
+each, prompt-major: choice ``p * n + i``; usage summed), ``logprobs`` (each generated token's
 log-probability and the top ``logprobs``) and ``echo``; ``echo`` with ``logprobs`` scores the prompt as the lm-eval
 model ``kvsieve`` does with ``protocol=stream`` (the request's policy, its ratio budget of the whole prompt, eviction
 from the first token): lm-eval's ``local-completions`` model gets the log-likelihoods the in-process model computes.
@@ -157,8 +160,9 @@ def build_app(
     def start(
         body: GenerationFields, prompts: list[list[int]], default_tokens: int, *, logprobs: int | None, score: bool
     ) -> tuple[list[Job], asyncio.Queue[tuple[int, Event]]]:
-        """Check ``body``, make a job per prompt and queue them all; the queue their events arrive in, each with its
-        prompt's index. ``score``: the prompts are scored (echo)."""
+        """Check ``body``, make a job per prompt (``n`` rows each) and queue them all; every row, and the queue their
+        events arrive in, each with its choice's index (``prompt * n + row``). ``score``: the prompts are scored
+        (echo)."""
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server runs {model_name!r}", "model")
         if any(not 0 <= t < vocab for prompt in prompts for t in prompt):
@@ -180,31 +184,34 @@ def build_app(
 
             return emit
 
-        jobs = []
+        jobs, n = [], body.n
         try:
             for index, prompt in enumerate(prompts):
                 tokens = limit
                 if tokens is None:
                     room = default_tokens if scheduler.max_positions is None else scheduler.max_positions - len(prompt)
                     tokens = max(1, min(default_tokens, room))
-                sampler = Sampler(
-                    body.temperature,
-                    body.top_p,
-                    body.seed,
-                    presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty,
-                    repetition_penalty=body.repetition_penalty,
-                    prompt=prompt,
-                    min_tokens=body.min_tokens,
-                    suppressed=sorted(stop_ids),
-                )
+                samplers = [
+                    Sampler(
+                        body.temperature,
+                        body.top_p,
+                        None if body.seed is None else body.seed + row,
+                        presence_penalty=body.presence_penalty,
+                        frequency_penalty=body.frequency_penalty,
+                        repetition_penalty=body.repetition_penalty,
+                        prompt=prompt,
+                        min_tokens=body.min_tokens,
+                        suppressed=sorted(stop_ids),
+                    )
+                    for row in range(n)
+                ]
                 job = scheduler.new_job(
                     prompt,
                     spec,
                     tokens,
-                    sampler,
+                    samplers,
                     body.stop,
-                    emitter(index),
+                    [emitter(index * n + row) for row in range(n)],
                     logprobs=logprobs,
                     echo=score,
                     stop_ids=stop_ids,
@@ -213,7 +220,7 @@ def build_app(
             scheduler.submit(*jobs)
         except RequestError as err:
             raise APIError(400, str(err), err.param) from None
-        return jobs, events
+        return [row for job in jobs for row in job.rows], events
 
     def encode(text: str, special: bool) -> list[int]:
         with scheduler.tokenizer_lock:
@@ -263,8 +270,10 @@ def build_app(
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
         meta["model"] = model_name
         given = zip(body.prompt, prompts, strict=True)
-        heads = [(p if isinstance(p, str) else decode(ids)) if body.echo else "" for p, ids in given]
-        offsets = [0] * len(prompts)
+        heads = [
+            (p if isinstance(p, str) else decode(ids)) if body.echo else "" for p, ids in given for _ in range(body.n)
+        ]
+        offsets = [0] * len(heads)
 
         def choice(index: int, text: str, entries: Sequence[TokenLogprob], reason: str | None) -> dict[str, Any]:
             logprobs = None
@@ -281,7 +290,7 @@ def build_app(
             choice(i, heads[i] + out.text, [*out.prompt, *out.tokens] if body.echo else out.tokens, out.end.reason)
             for i, out in enumerate(outcomes)
         ]
-        return JSONResponse({**meta, "choices": choices, **report(outcomes)})
+        return JSONResponse({**meta, "choices": choices, **report(outcomes, body.n)})
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest) -> Response:
@@ -298,20 +307,28 @@ def build_app(
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time())}
         meta["model"] = model_name
         if body.stream:
-            first = [True]
+            opened: set[int] = set()  # (the choices whose first chunk, with the role, went out)
 
             def delta(index: int, text: str, entries: Sequence[TokenLogprob], reason: str | None) -> dict[str, Any]:
-                content = {"role": "assistant", "content": text} if first[0] else {"content": text} if text else {}
-                first[0] = False
+                first = index not in opened
+                opened.add(index)
+                content = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
                 scored = chat_logprobs(entries) if logprobs is not None and entries else None
                 return {"index": index, "delta": content, "logprobs": scored, "finish_reason": reason}
 
-            return stream(jobs, events, {**meta, "object": "chat.completion.chunk"}, delta, body, [], [""])
-        (out,) = await collect(jobs, events)
-        message = {"role": "assistant", "content": out.text}
-        scored = chat_logprobs(out.tokens) if logprobs is not None else None
-        choices = [{"index": 0, "message": message, "logprobs": scored, "finish_reason": out.end.reason}]
-        return JSONResponse({**meta, "choices": choices, **report([out])})
+            chunk_meta = {**meta, "object": "chat.completion.chunk"}
+            return stream(jobs, events, chunk_meta, delta, body, [], [""] * body.n)
+        outcomes = await collect(jobs, events)
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(out.tokens) if logprobs is not None else None,
+                "finish_reason": out.end.reason,
+            }
+            for index, out in enumerate(outcomes)
+        ]
+        return JSONResponse({**meta, "choices": choices, **report(outcomes, body.n)})
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -344,6 +361,13 @@ def build_app(
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": decode(body.tokens)}
 
+    info = tokenizer_info(tokenizer)
+
+    @app.get("/tokenizer_info")
+    async def served_tokenizer_info() -> dict[str, Any]:
+        """vLLM's: the tokenizer's configuration (see :func:`tokenizer_info`)."""
+        return info
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         entry = {"id": model_name, "object": "model", "created": created, "owned_by": "kvsieve"}
@@ -361,6 +385,32 @@ def build_app(
     return app
 
 
+def tokenizer_info(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """What vLLM's ``/tokenizer_info`` serves: the tokenizer's ``init_kwargs`` (special tokens as their text, no
+    file paths), its class, chat template and special tokens."""
+
+    def plain(value: Any) -> Any:
+        if hasattr(value, "content"):  # (an AddedToken)
+            return value.content
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, str | int | float | bool) else str(value)
+
+    config = {k: v for k, v in tokenizer.init_kwargs.items() if not k.endswith("_file") and k != "name_or_path"}
+    specials = {name: getattr(tokenizer, name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return plain(
+        {
+            **config,
+            **specials,
+            "model_max_length": tokenizer.model_max_length,
+            "chat_template": tokenizer.chat_template,
+            "tokenizer_class": type(tokenizer).__name__,
+        }
+    )
+
+
 def request_spec(body: GenerationFields, defaults: KVSpec) -> KVSpec:
     """The request's cache: its ``kv_*`` fields over the server's defaults (``kv_policy`` alone drops the default
     parameters, which belong to the default policy)."""
@@ -372,9 +422,9 @@ def request_spec(body: GenerationFields, defaults: KVSpec) -> KVSpec:
     return KVSpec(body.kv_policy or defaults.policy, budget, dict(params))
 
 
-def usage(ends: Sequence[Finished]) -> dict[str, int]:
-    """OpenAI's usage, summed over a request's prompts."""
-    prompt = sum(end.prompt_tokens for end in ends)
+def usage(ends: Sequence[Finished], n: int) -> dict[str, int]:
+    """OpenAI's usage, summed over a request's choices (``n`` per prompt: its prompt counted once)."""
+    prompt = sum(end.prompt_tokens for end in ends) // n
     completion = sum(end.completion_tokens for end in ends)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -399,10 +449,10 @@ class Outcome:
         return self.ended
 
 
-def report(outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    """The response's usage and kvsieve fields (the cache of its one prompt, or a list: one per prompt)."""
+def report(outcomes: Sequence[Outcome], n: int) -> dict[str, Any]:
+    """The response's usage and kvsieve fields (the cache of its one choice, or a list: one per choice)."""
     kv = [out.end.kv for out in outcomes]
-    return {"usage": usage([out.end for out in outcomes]), "kvsieve": kv[0] if len(kv) == 1 else kv}
+    return {"usage": usage([out.end for out in outcomes], n), "kvsieve": kv[0] if len(kv) == 1 else kv}
 
 
 async def collect(jobs: Sequence[Job], events: asyncio.Queue[tuple[int, Event]]) -> list[Outcome]:
@@ -469,7 +519,7 @@ def stream(
                     break
             else:
                 if include_usage:
-                    yield sse({**meta, "choices": [], "usage": usage(ends)})
+                    yield sse({**meta, "choices": [], "usage": usage(ends, body.n)})
             yield "data: [DONE]\n\n"
         finally:
             for job in jobs:

@@ -11,24 +11,27 @@ in different batches, one forward pass each. A request that asks for the log-pro
 with ``logprobs``) is prefilled under the stream protocol (eviction from its first token, as the lm-eval model
 ``kvsieve`` scores with ``protocol=stream``), every position's logits kept; one with ``max_tokens=0`` ends there.
 A request leaves at the step after it ends or its client goes: its
-rows are dropped (``batch_select_indices``).
+rows are dropped (``batch_select_indices``). A request for ``n`` choices is prefilled once and its cache forked into
+``n`` rows (``batch_repeat_interleave``), each sampled on its own; the rows join a batch together.
 
 Before serving, :meth:`Scheduler.warm_up` runs the default policy once over a prompt longer than its budget, so that
 compiling kernels and first-use allocations are not paid by the first request; a step that compiles anyway (another
 policy's first use) counts its kernels in ``kvsieve_kernels_compiled`` and leaves the decode rate as it was.
 
 Admission: a request's bytes are known before it runs (:mod:`kvsieve.server.memory`). Requests are admitted in
-arrival order while the reservations of the running ones plus the next one's peak stay within the cap and fewer
-than ``max_batch`` run; the others wait in a bounded queue; past it, :class:`Overloaded` (HTTP 429).
+arrival order while the reservations of the running ones plus the next one's peak (times its rows: all or none)
+stay within the cap and at most ``max_batch`` rows run; the others wait in a bounded queue; past it,
+:class:`Overloaded` (HTTP 429).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,12 +114,12 @@ Event = Scored | Delta | Finished | Failed
 
 @dataclass(eq=False)
 class Job:
-    """One request, from admission to its last token."""
+    """One row of a request (a choice of one prompt), from admission to its last token."""
 
     prompt: list[int]
     spec: KVSpec
     cache: SieveCache | None
-    """Dropped when the job ends (its rows are freed then)."""
+    """The prompt's cache, held by its first row until it joins a batch or every row ended."""
     reserved: Reservation
     max_tokens: int
     sampler: Sampler
@@ -137,9 +140,12 @@ class Job:
     peak: int = 0
     """The most bytes its cache held after a step (in a batch: the batch's bytes over its rows)."""
     done: bool = False
+    budget_tokens: int | None = None
+    rows: list[Job] = field(default_factory=list)
+    """Every row of its prompt, this one included (``n`` > 1: forked from one prefill); the first is queued."""
 
     def __post_init__(self) -> None:
-        self.budget_tokens = self.cache.budget_tokens
+        self.rows = self.rows or [self]
 
     @property
     def position(self) -> int:
@@ -215,18 +221,22 @@ class Scheduler:
         prompt: list[int],
         spec: KVSpec,
         max_tokens: int,
-        sampler: Sampler,
+        samplers: Sequence[Sampler],
         stop: list[str],
-        emit: Callable[[Event], None],
+        emits: Sequence[Callable[[Event], None]],
         *,
         logprobs: int | None = None,
         echo: bool = False,
         stop_ids: frozenset[int] | None = None,
     ) -> Job:
-        """A job for ``prompt`` with its cache made and its bytes computed; a :class:`RequestError` for an unknown
-        policy, a bad parameter or budget, or a request that exceeds the model's positions or could never fit the
-        cap. ``logprobs``: report the generated tokens' log-probabilities (and the top ``logprobs``); ``echo``: score
-        the prompt too (then ``max_tokens`` may be 0); ``stop_ids``: the tokens that end it (default: EOS)."""
+        """A job for ``prompt`` with its cache made and its bytes computed, a row per sampler (each row's events go
+        to its emit; the rows are :attr:`Job.rows`); a :class:`RequestError` for an unknown policy, a bad parameter
+        or budget, or a request that exceeds the model's positions or whose rows could never fit the cap or a batch.
+        ``logprobs``: report the generated tokens' log-probabilities (and the top ``logprobs``); ``echo``: score the
+        prompt too (then ``max_tokens`` may be 0); ``stop_ids``: the tokens that end it (default: EOS)."""
+        n = len(samplers)
+        if not 1 <= n <= self.max_batch or len(emits) != n:
+            raise RequestError(f"n must be between 1 and the server's batch of {self.max_batch} rows", "n")
         if not prompt:
             raise RequestError("the prompt is empty", "prompt")
         if max_tokens < (0 if echo else 1):
@@ -253,21 +263,26 @@ class Scheduler:
         except ValueError as err:
             raise RequestError(str(err), "kv_budget") from None
         reserved = reservation(self.model, cache, len(prompt), max(max_tokens, 1))
-        if reserved.peak > self.kv_cap_bytes:
+        if n * reserved.peak > self.kv_cap_bytes:
+            rows = "" if n == 1 else f"{n} × "
             raise RequestError(
-                f"this request needs {reserved.peak} bytes of KV cache, more than the server's cap of "
-                f"{self.kv_cap_bytes}: lower kv_budget or max_tokens",
-                "kv_budget",
+                f"this request needs {rows}{reserved.peak} bytes of KV cache, more than the server's cap of "
+                f"{self.kv_cap_bytes}: lower kv_budget, max_tokens or n",
+                "kv_budget" if reserved.peak > self.kv_cap_bytes else "n",
             )
-        text = TextStream(self.tokenizer, stop, self.tokenizer_lock)
-        ends = self.eos if stop_ids is None else stop_ids
-        job = Job(prompt, spec, cache, reserved, max_tokens, sampler, text, emit)
-        job.logprobs, job.echo, job.stop_ids = logprobs, echo, frozenset(ends)
-        return job
+        ends = frozenset(self.eos if stop_ids is None else stop_ids)
+        text = functools.partial(TextStream, self.tokenizer, stop, self.tokenizer_lock)
+        pairs = zip(samplers, emits, strict=True)
+        rows = [Job(prompt, spec, None, reserved, max_tokens, sampler, text(), emit) for sampler, emit in pairs]
+        for row in rows:
+            row.logprobs, row.echo, row.stop_ids = logprobs, echo, ends
+            row.budget_tokens, row.rows = cache.budget_tokens, rows
+        rows[0].cache = cache
+        return rows[0]
 
     def submit(self, *jobs: Job) -> None:
-        """Queue ``jobs`` all or none (the worker admits each when it fits): :class:`Overloaded` if the queue has no
-        room for them all, a :class:`RequestError` if it never can."""
+        """Queue ``jobs`` (from :meth:`new_job`, with their rows) all or none (the worker admits each when it fits):
+        :class:`Overloaded` if the queue has no room for them all, a :class:`RequestError` if it never can."""
         if len(jobs) > self.max_queue:
             raise RequestError(f"at most {self.max_queue} prompts per request (the server's queue)", "prompt")
         with self._cond:
@@ -327,8 +342,8 @@ class Scheduler:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
-        for job in [*self._waiting, *self._running]:
-            job.emit(Failed("the server is shutting down"))
+        for row in [*(row for job in self._waiting for row in job.rows), *self._running]:
+            row.emit(Failed("the server is shutting down"))
         self._waiting.clear()
         self._running.clear()
         self._unprefilled.clear()
@@ -369,17 +384,19 @@ class Scheduler:
         for job in admitted:
             if self._stopping:  # (stop() fails what is left)
                 return
-            if job.done:  # (cancelled while it waited for its prefill)
+            if all(row.done for row in job.rows):  # (cancelled while it waited for its prefill)
                 continue
             ids = torch.tensor([job.prompt], device=self.model.device)
             if job.echo:  # (scored as the lm-eval model's stream protocol: eviction from the first token)
                 with job.cache.streaming(True):
-                    self._run(job.cache, [job], ids, None, score=True)
+                    self._run(job.cache, job.rows, ids, None, score=True)
             else:
-                self._run(job.cache, [job], ids, None)
-            tokens += 1
+                self._run(job.cache, job.rows, ids, None)
+            tokens += len(job.rows)
             with self._cond:
-                self._reserved[job] = job.reserved.steady  # (the prefill's transient buffer is gone)
+                for row in job.rows:
+                    if not row.done:
+                        self._reserved[row] = row.reserved.steady  # (the prefill's transient buffer is gone)
         for batch in self._batches:
             if self._stopping:
                 return
@@ -390,7 +407,7 @@ class Scheduler:
             self.metrics.batch_rows.observe(len(jobs))
             tokens += len(jobs)
         for job in admitted:
-            if not job.done:
+            if not all(row.done for row in job.rows):
                 self._place(job)
         seconds = time.perf_counter() - started
         self._step_seconds = 0.9 * self._step_seconds + 0.1 * seconds
@@ -404,26 +421,27 @@ class Scheduler:
     def _admit(self) -> list[Job]:
         """Move waiting jobs to running, in arrival order, while they fit (under the lock)."""
         admitted = []
-        for job in [job for job in self._waiting if job.cancelled.is_set()]:
+        for job in [job for job in self._waiting if all(row.cancelled.is_set() for row in job.rows)]:
             self._waiting.remove(job)
-            self._end(job, "cancelled")
-        while self._waiting and len(self._running) < self.max_batch:
+            for row in job.rows:
+                self._end(row, "cancelled")
+        while self._waiting and len(self._running) + len(self._waiting[0].rows) <= self.max_batch:
             job = self._waiting[0]
-            if sum(self._reserved.values()) + job.reserved.peak > self.kv_cap_bytes:
+            if sum(self._reserved.values()) + len(job.rows) * job.reserved.peak > self.kv_cap_bytes:
                 break
             self._waiting.popleft()
-            self._running.append(job)
-            self._reserved[job] = job.reserved.peak
+            self._running.extend(job.rows)
+            self._reserved.update((row, row.reserved.peak) for row in job.rows)
             admitted.append(job)
-            self.metrics.admitted.inc()
+            self.metrics.admitted.inc(len(job.rows))
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.running.set(len(self._running))
         self.metrics.kv_reserved.set(sum(self._reserved.values()))
         return admitted
 
     def _place(self, job: Job) -> None:
-        """After its prefill: ``job`` joins a running batch of caches made alike, or starts one. Its rows, padded to
-        the batch's slots, must stay within its reservation: a request whose every layer holds ``budget + 1`` slots
+        """After its prefill: ``job``'s rows join a running batch of caches made alike, or start one. Its rows, padded
+        to the batch's slots, must stay within its reservation: a request whose every layer holds ``budget + 1`` slots
         once it evicts joins any batch of its layout; any other (``full``, or too short to fill its budget: slots
         that grow with the tokens fed) only one started in the same step with the same prompt length and
         ``max_tokens`` (the same slots at every step)."""
@@ -431,12 +449,13 @@ class Scheduler:
         key = (
             reserved.layout if reserved.fixed else repr((reserved.layout, len(job.prompt), job.max_tokens, self._steps))
         )
-        batch = next((b for b in self._batches if b.key == key and len(b.jobs) < self.max_batch), None)
+        rows = job.rows
+        batch = next((b for b in self._batches if b.key == key and len(b.jobs) + len(rows) <= self.max_batch), None)
         if batch is None:
-            self._batches.append(Batch(key, job.cache, [job]))
+            self._batches.append(Batch(key, job.cache, list(rows)))
         else:
             batch.cache.join(job.cache)
-            batch.jobs.append(job)
+            batch.jobs.extend(rows)
         job.cache = None
 
     def _run(
@@ -447,8 +466,9 @@ class Scheduler:
         positions: torch.Tensor | None,
         score: bool = False,
     ) -> None:
-        """One forward pass of ``jobs``' rows of ``cache``: each job's prompt or last token; each gets its next.
-        ``score``: the one job's prompt is scored from every position's logits first."""
+        """One forward pass of ``jobs``' rows of ``cache``: each job's last token, or (``positions`` None) the
+        prompt of one row that ``jobs`` share, its cache then forked into a row each; each job gets its next token.
+        ``score``: the prompt is scored from every position's logits first."""
         try:
             with torch.inference_mode():
                 keep = 0 if score else 1
@@ -456,16 +476,27 @@ class Scheduler:
                     input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep
                 )
             logits = out.logits[:, -1].float()
+            if positions is None:  # (a prompt prefilled: counted once, whatever its rows)
+                self.metrics.prompt_tokens.inc(len(jobs[0].prompt))
+                self.metrics.ttft.observe(time.perf_counter() - jobs[0].arrived)
+                if len(jobs) > 1:
+                    cache.batch_repeat_interleave(len(jobs))
+                    logits = logits.expand(len(jobs), -1)
             held = cache.nbytes() // len(jobs)
             if score:
-                (job,) = jobs
-                scored = token_logprobs(out.logits[0, :-1], job.prompt[1:], job.logprobs or 0)
-                job.emit(Scored((TokenLogprob(job.prompt[0], None), *scored)))
-                if job.max_tokens == 0:
-                    self._score_only(job, held)
+                prompt = jobs[0].prompt
+                scored = token_logprobs(out.logits[0, :-1], prompt[1:], jobs[0].logprobs or 0)
+                for job in jobs:
+                    job.emit(Scored((TokenLogprob(prompt[0], None), *scored)))
+                if jobs[0].max_tokens == 0:
+                    for job in jobs:
+                        if not job.done:
+                            self._score_only(job, held)
                     return
             del out
             for job, row in zip(jobs, logits, strict=True):
+                if job.done:  # (a row of a prompt cancelled before its prefill: dropped after the step)
+                    continue
                 token = job.sampler(row)
                 entry = None if job.logprobs is None else token_logprobs(row[None], [token], job.logprobs)[0]
                 self._emit(job, token, held, entry)
@@ -479,23 +510,17 @@ class Scheduler:
     def _score_only(self, job: Job, held: int) -> None:
         """End a job that only scores its prompt (``max_tokens=0``)."""
         job.peak = max(job.peak, held)
-        self.metrics.prompt_tokens.inc(len(job.prompt))
-        self.metrics.ttft.observe(time.perf_counter() - job.arrived)
         job.emit(Finished("length", len(job.prompt), 0, job.kv_report()))
         self._end(job, "length")
 
     def _emit(self, job: Job, token: int, held: int, logprob: TokenLogprob | None = None) -> None:
         """Hand out ``job``'s next token (and its log-probability); end it at EOS, a stop string or
         ``max_tokens``."""
-        first = not job.generated
         job.generated.append(token)
         job.peak = max(job.peak, held)
         if logprob is not None:
             job.pending.append(logprob)
         piece, stopped = job.text.push(token)
-        if first:
-            self.metrics.prompt_tokens.inc(len(job.prompt))
-            self.metrics.ttft.observe(time.perf_counter() - job.arrived)
         self.metrics.generation_tokens.inc()
         reason = (
             "stop" if stopped or token in job.stop_ids else "length" if len(job.generated) >= job.max_tokens else None
@@ -510,7 +535,9 @@ class Scheduler:
             self._end(job, reason)
 
     def _end(self, job: Job, reason: str) -> None:
-        job.done, job.cache = True, None
+        job.done = True
+        if all(row.done for row in job.rows):
+            job.rows[0].cache = None  # (a prompt's cache not in a batch: freed with its last row)
         self.metrics.finished.labels(reason).inc()
 
     def _retire(self) -> None:

@@ -1,5 +1,5 @@
 """The request bodies the server accepts: OpenAI's completion and chat fields that it implements, parameters that
-only have a neutral value here (``logit_bias``, ``n``, ``best_of``, ``suffix``), vLLM's sampling extras, vLLM's
+only have a neutral value here (``logit_bias``, ``best_of``, ``suffix``), vLLM's sampling extras, vLLM's
 ``/tokenize`` and ``/detokenize`` bodies, and kvsieve's own fields (``kv_policy``, ``kv_budget``, ``kv_params``;
 the official client sends them through ``extra_body``). Anything else is refused (HTTP 400) rather than ignored."""
 
@@ -10,6 +10,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4
+MAX_N = 128
+"""The most choices per prompt (OpenAI's limit; the server's ``max_batch`` rows may be fewer)."""
 MAX_LOGPROBS = 20
 """The most top log-probabilities a token may report (vLLM's default limit; OpenAI's is 5 for completions)."""
 
@@ -31,7 +33,7 @@ class GenerationFields(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -48,13 +50,6 @@ class GenerationFields(BaseModel):
     kv_policy: str | None = None
     kv_budget: int | float | str | None = None
     kv_params: dict[str, Any] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("logit_bias")
     @classmethod

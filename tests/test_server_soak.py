@@ -1,0 +1,78 @@
+"""scripts/serve_soak.py: a short run against ``kvsieve serve`` on the tiny model (its report's invariants), and how it
+classifies answers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "serve_soak.py"
+
+
+@pytest.fixture(scope="module")
+def soak() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serve_soak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_short_soak_accounts_for_every_request_and_drains_on_sigterm(soak, tiny_dir, tmp_path) -> None:
+    out = tmp_path / "soak.json"
+    policies = ["h2o", "snapkv", "streaming_llm", "tova", "full", "h2o:kv_bits=4,group_size=8"]
+    argv = ["--model", tiny_dir, "--requests", "40", "--concurrency", "4", "--max-tokens", "16", "--out", str(out)]
+    argv += ["--policies", *policies, "--malformed", "0.2", "--disconnect", "0.4", "--multiple", "0.2"]
+    argv += ["--kv-memory-gb", "0.01"]  # (10 MiB: a few of the longest prompts at once)
+    assert soak.main(argv) == 0
+    report = json.loads(out.read_text())
+    requests = report["requests"]
+    assert requests["sent"] == 40 and requests["failures"] == []
+    results = requests["by_result"]
+    assert results["ok"] > 0 and results["refused"] == requests["malformed"] > 0 and results["disconnected"] > 0
+    assert requests["several_choices"] > 0 and requests["streamed"] > 0
+    checks = report["checks"]
+    assert checks.pop("rss_flat") is None  # (a run this short is not judged)
+    assert all(checks.values()) and report["ok"], checks
+    kv = report["kv_bytes"]
+    assert 0 < kv["held_max"] <= kv["cap"] == int(0.01 * 2**30) and kv["reserved_max_polled"] <= kv["cap"]
+    shutdown = report["shutdown"]
+    assert shutdown["running_at_signal"] > 0 and shutdown["completed"] == shutdown["streams"]
+    rss = report["rss_mib"]
+    assert 0 < rss["start"] <= rss["max_after_warm"] and rss["end"] > 0
+    assert report["throughput"]["tokens_per_s"] > 0 and report["latency_s"]["p50"] <= report["latency_s"]["p99"]
+    assert report["health_polls"]["failed"] == 0 and report["provenance"]["command"][0] == "scripts/serve_soak.py"
+
+
+@pytest.mark.parametrize(
+    ("malformed", "status", "message", "result"),
+    [
+        ("broken JSON", 400, "the body is not valid JSON", "refused"),
+        ("unknown model", 404, "no such model", "refused"),
+        ("unknown field", 500, "internal error", "failed"),  # (a malformed body must get a 4xx)
+        (None, 429, "queue full", "overloaded"),
+        (None, 400, "this request needs 3 × 10 bytes of KV cache, more than the server's cap of 20", "over_cap"),
+        (None, 400, "the prompt is empty", "failed"),  # (a valid request refused)
+        (None, 503, "down", "failed"),
+    ],
+)
+def test_answers_are_classified(soak, malformed, status, message, result) -> None:
+    plan = soak.Plan("/v1/completions", {"model": "m", "prompt": [5]}, malformed=malformed)
+    response = httpx.Response(status, json={"error": {"message": message}})
+    assert soak.refusal(plan, response, 0.0).result == result
+
+
+def test_an_answer_missing_a_choice_or_its_end_fails(soak) -> None:
+    plan = soak.Plan("/v1/completions", {"model": "m", "prompt": [5], "n": 2})
+    usage = {"completion_tokens": 4}
+    both = [{"index": 0, "finish_reason": "length"}, {"index": 1, "finish_reason": "stop"}]
+    assert soak.answered(plan, {"choices": both, "usage": usage}, 0.0).result == "ok"
+    assert soak.answered(plan, {"choices": both[:1], "usage": usage}, 0.0).result == "failed"
+    unfinished = [both[0], {"index": 1, "finish_reason": None}]
+    assert soak.answered(plan, {"choices": unfinished, "usage": usage}, 0.0).result == "failed"
