@@ -446,6 +446,8 @@ def cmd_reproduce(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """With ``--ray``, ``--replicas`` servers on Ray Serve behind one endpoint (:mod:`kvsieve.server.replicas`): this
+    process loads no model."""
     try:
         import uvicorn
 
@@ -461,10 +463,37 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     if args.schedule != "uniform":
         raise ValueError("the server shares budgets uniformly; a request may carry schedule= in its kv_policy spec")
     defaults = KVSpec(_spec(args), args.budget, _policy_kwargs(args))
+    replicas = None
+    ray_given = (args.ray, args.replicas, args.cpus_per_replica, args.gpus_per_replica)
+    if any(value is not None for value in ray_given):
+        from kvsieve.server.replicas import replica_options
+
+        replicas = replica_options(args.ray, args.replicas, args.cpus_per_replica, args.gpus_per_replica, args.device)
     api_key = args.api_key or os.environ.get("KVSIEVE_API_KEY") or None
     warning = exposure_warning(args.host, api_key)
     if warning:
         print(warning, file=sys.stderr)
+    if replicas is not None:
+        from kvsieve.models import resolve_dtype
+        from kvsieve.server.replicas import ReplicaSettings, model_path, serve_on_ray
+
+        resolve_dtype(args.dtype)  # (checked here: the replicas load the model)
+        settings = ReplicaSettings(
+            model=model_path(args.model),
+            model_name=args.served_name or args.model,
+            defaults=defaults,
+            kv_cap_bytes=int(args.kv_memory_gb * 2**30),
+            device=args.device,
+            dtype=args.dtype,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            prefill_tokens=args.prefill_tokens,
+            api_key=api_key,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            threads=replicas.threads,
+        )
+        serve_on_ray(replicas, settings, host=args.host, port=args.port)
+        return {}
     model, tokenizer = _load(args)
     app = build_app(
         model,

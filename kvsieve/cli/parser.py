@@ -395,6 +395,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=16.0,
         help="request bodies larger than this are refused (413) before parsing (default 16)",
     )
+    ray = p.add_argument_group("replicas on Ray Serve (pip install 'kvsieve[ray]')")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="serve --replicas copies of the server behind one endpoint (Ray Serve's proxy at --host:--port): on a "
+        "new local Ray without ADDRESS; auto, HOST:PORT or ray://HOST:PORT joins a running cluster",
+    )
+    ray.add_argument(
+        "--replicas", type=POSITIVE_INT, metavar="N", help="replicas, each its own model, KV cap and batch (default 1)"
+    )
+    ray.add_argument(
+        "--cpus-per-replica", type=POSITIVE, metavar="N", help="CPUs of a replica, and its torch threads (default 1)"
+    )
+    ray.add_argument(
+        "--gpus-per-replica", type=NON_NEGATIVE, metavar="N", help="GPUs of a replica (default 0; 0.5: two per GPU)"
+    )
 
     from kvsieve.analysis import ANALYSES, DEFAULT_POLICIES, POLICY_ANALYSES
 
