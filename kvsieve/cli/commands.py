@@ -473,40 +473,28 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     warning = exposure_warning(args.host, api_key)
     if warning:
         print(warning, file=sys.stderr)
+    server = {  # (build_app's keyword arguments: a server in this process, or each replica on Ray)
+        "model_name": args.served_name or args.model,
+        "defaults": defaults,
+        "kv_cap_bytes": int(args.kv_memory_gb * 2**30),
+        "max_batch": args.max_batch,
+        "max_queue": args.max_queue,
+        "prefill_tokens": args.prefill_tokens,
+        "api_key": api_key,
+        "max_body_bytes": int(args.max_body_mb * 2**20),
+    }
     if replicas is not None:
         from kvsieve.models import resolve_dtype
         from kvsieve.server.replicas import ReplicaSettings, model_path, serve_on_ray
 
         resolve_dtype(args.dtype)  # (checked here: the replicas load the model)
         settings = ReplicaSettings(
-            model=model_path(args.model),
-            model_name=args.served_name or args.model,
-            defaults=defaults,
-            kv_cap_bytes=int(args.kv_memory_gb * 2**30),
-            device=args.device,
-            dtype=args.dtype,
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            prefill_tokens=args.prefill_tokens,
-            api_key=api_key,
-            max_body_bytes=int(args.max_body_mb * 2**20),
-            threads=replicas.threads,
+            model=model_path(args.model), server=server, device=args.device, dtype=args.dtype, threads=replicas.threads
         )
         serve_on_ray(replicas, settings, host=args.host, port=args.port)
         return {}
     model, tokenizer = _load(args)
-    app = build_app(
-        model,
-        tokenizer,
-        model_name=args.served_name or args.model,
-        defaults=defaults,
-        kv_cap_bytes=int(args.kv_memory_gb * 2**30),
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        prefill_tokens=args.prefill_tokens,
-        api_key=api_key,
-        max_body_bytes=int(args.max_body_mb * 2**20),
-    )
+    app = build_app(model, tokenizer, **server)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return {}
 

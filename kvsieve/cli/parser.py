@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from kvsieve.benchmarks import defaults as bench_defaults
 from kvsieve.engine.budget import parse_budget
 from kvsieve.evaluation.defaults import DEFAULT_MODEL, DEFAULT_QUESTION, QUESTION_MODES
+from kvsieve.server.security import DEFAULT_MAX_BODY_MB
 
 
 class UsageError(Exception):
@@ -392,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-mb",
         type=POSITIVE,
-        default=16.0,
-        help="request bodies larger than this are refused (413) before parsing (default 16)",
+        default=DEFAULT_MAX_BODY_MB,
+        help=f"request bodies larger than this are refused (413) before parsing (default {DEFAULT_MAX_BODY_MB:g})",
     )
     ray = p.add_argument_group("replicas on Ray Serve (pip install 'kvsieve[ray]')")
     ray.add_argument(

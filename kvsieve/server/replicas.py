@@ -31,11 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvsieve.server.security import DEFAULT_MAX_BODY_MB
-
 if TYPE_CHECKING:
     from kvsieve.evaluation.ray_sweep import RayOptions
-    from kvsieve.server.scheduler import KVSpec
 
 # (This module is imported by Ray Serve's HTTP proxy for :func:`proxy_middlewares`: torch and Ray are imported
 # inside the functions that need them.)
@@ -89,19 +86,14 @@ class ReplicaOptions:
 
 @dataclass(frozen=True)
 class ReplicaSettings:
-    """What every replica builds its server from (sent to the replicas: plain values only)."""
+    """What every replica builds its server from (sent to the replicas: plain values only): the model to load, its
+    device, dtype and torch threads, and ``server``, the keyword arguments of
+    :func:`~kvsieve.server.app.build_app` (the same as a server in one process gets)."""
 
     model: str
-    model_name: str
-    defaults: KVSpec
-    kv_cap_bytes: int
+    server: dict[str, Any] = field(repr=False)  # (it holds the API key)
     device: str | None = None
     dtype: str | None = None
-    max_batch: int = 16
-    max_queue: int = 64
-    prefill_tokens: int = 512
-    api_key: str | None = field(default=None, repr=False)
-    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
     threads: int = 1
 
 
@@ -254,18 +246,7 @@ class Replica:
 
         torch.set_num_threads(settings.threads)
         model, tokenizer = load_model(settings.model, device=settings.device, dtype=settings.dtype)
-        self.server = build_app(
-            model,
-            tokenizer,
-            model_name=settings.model_name,
-            defaults=settings.defaults,
-            kv_cap_bytes=settings.kv_cap_bytes,
-            max_batch=settings.max_batch,
-            max_queue=settings.max_queue,
-            prefill_tokens=settings.prefill_tokens,
-            api_key=settings.api_key,
-            max_body_bytes=settings.max_body_bytes,
-        )
+        self.server = build_app(model, tokenizer, **settings.server)
         identity = {
             REPLICA_HEADER: serve.get_replica_context().replica_id.unique_id,
             PID_HEADER: str(os.getpid()),
@@ -295,8 +276,8 @@ def deployment(options: ReplicaOptions, settings: ReplicaSettings) -> Any:
         name="Replica",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
-        max_ongoing_requests=settings.max_batch + settings.max_queue,
-        max_queued_requests=settings.max_queue,
+        max_ongoing_requests=settings.server["max_batch"] + settings.server["max_queue"],
+        max_queued_requests=settings.server["max_queue"],
         health_check_period_s=5,
     ).bind(settings)
 
@@ -329,7 +310,7 @@ def serve_on_ray(options: ReplicaOptions, settings: ReplicaSettings, *, host: st
             raise ValueError(f"the replicas did not start: {_failure(serve, err)}") from None
         where = "a local Ray" if options.address == "local" else f"the Ray cluster at {options.address}"
         print(
-            f"kvsieve serve: {options.replicas} replica(s) of {settings.model_name} on {where}, "
+            f"kvsieve serve: {options.replicas} replica(s) of {settings.server['model_name']} on {where}, "
             f"http://{host}:{port} (Ctrl-C stops)",
             file=sys.stderr,
             flush=True,
