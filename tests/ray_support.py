@@ -1,5 +1,6 @@
-"""Support for tests/test_ray.py: Ray on the loopback interface only, a worker hook that injects faults, and the
-scenarios run by a driver process.
+"""Support for the Ray tests (test_ray.py, test_ruler_ray.py, test_serve_ray.py): Ray on the loopback interface
+only (a command run in its own namespace, two nodes in it), a worker hook that injects faults, and the scenarios run
+by a driver process.
 
 Ray advertises a machine's routable address even when told 127.0.0.1, so every Ray of the tests runs in a network
 namespace of its own (``unshare -rn``) whose only interface is the loopback: ``loopback_command``. A scenario runs
@@ -12,6 +13,7 @@ on the first attempt) or ``hang``; every attempt is logged as ``KEY PID`` to the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,16 +165,44 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def cluster(args: dict[str, Any]) -> dict[str, Any]:
-    """A head and a second node of one CPU each (``ray start``), then ``kvsieve sweep --ray HOST:PORT``."""
+def in_loopback(argv: list[str], timeout: float = TIMEOUT_S * 10) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a loopback-only network namespace; whatever it started is killed at the end, also on failure."""
+    tests = str(Path(__file__).parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
+        "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.005",  # (a local Ray: ~120 MB of object store)
+        "RAY_AUTH_MODE": "disabled",  # (one namespace, nothing else can reach it)
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    proc = subprocess.Popen(
+        loopback_command(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (the namespace's processes: Ray's, started by the test)
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+@contextlib.contextmanager
+def two_nodes() -> Iterator[str]:
+    """A head and a second node of one CPU each (``ray start``), in this namespace: their address. Both are stopped
+    at the end (what they started goes with the namespace's process group: :func:`in_loopback`)."""
     ray_bin = Path(sys.executable).with_name("ray")
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     common = ["--block", "--num-cpus", "1", "--object-store-memory", str(80 * 2**20), "--disable-usage-stats"]
     head = ["--head", "--port", address.split(":")[1], "--include-dashboard", "false"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
@@ -180,13 +211,7 @@ def cluster(args: dict[str, Any]) -> dict[str, Any]:
         _wait(lambda: subprocess.run([ray_bin, "status", "--address", address], capture_output=True).returncode == 0)
         nodes.append(subprocess.Popen([ray_bin, "start", "--address", address, *common], **quiet))
         _wait(lambda: "2 node" in _nodes(ray_bin, address))
-        sweep = subprocess.run(
-            [sys.executable, "-m", "kvsieve.cli", "sweep", "--json", "--ray", address, *args["sweep"]],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S * 3,
-        )
-        return {"returncode": sweep.returncode, "stdout": sweep.stdout, "stderr": sweep.stderr[-3000:]}
+        yield address
     finally:
         for node in reversed(nodes):
             node.terminate()
@@ -195,6 +220,18 @@ def cluster(args: dict[str, Any]) -> dict[str, Any]:
                 node.wait(TIMEOUT_S / 2)
             except subprocess.TimeoutExpired:
                 node.kill()
+
+
+def cluster(args: dict[str, Any]) -> dict[str, Any]:
+    """Two nodes (:func:`two_nodes`), then ``kvsieve sweep --ray HOST:PORT``."""
+    with two_nodes() as address:
+        sweep = subprocess.run(
+            [sys.executable, "-m", "kvsieve.cli", "sweep", "--json", "--ray", address, *args["sweep"]],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S * 3,
+        )
+        return {"returncode": sweep.returncode, "stdout": sweep.stdout, "stderr": sweep.stderr[-3000:]}
 
 
 def _nodes(ray_bin: Path, address: str) -> str:

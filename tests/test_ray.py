@@ -8,18 +8,14 @@ model with the real tokenizer and 64 tokens of real text: the workers start in s
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_support import TIMEOUT_S, loopback_command
+from ray_support import in_loopback
 
 from kvsieve.cli import main
 from kvsieve.evaluation.sweep import Settings, run_sweep
@@ -38,32 +34,6 @@ def in_process(tiny_dir, tmp_path_factory) -> dict[tuple[str, float], dict[str, 
     result = run_sweep(out, ["ppl"], POLICIES, BUDGETS, settings=Settings(model=tiny_dir, ppl_tokens=TOKENS))
     assert not any("error" in row for row in result.rows)
     return {(row["policy"], row["budget"]): row for row in result.rows}
-
-
-def _in_loopback(argv: list[str], timeout: float = TIMEOUT_S * 10) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a loopback-only network namespace; whatever it started is killed at the end, also on failure."""
-    tests = str(Path(__file__).parent)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
-        "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.005",  # (a local Ray: ~120 MB of object store)
-        "RAY_AUTH_MODE": "disabled",  # (one namespace, nothing else can reach it)
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    proc = subprocess.Popen(
-        loopback_command(argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # (the namespace's processes: Ray's, started by this test)
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def _sweep_args(tiny_dir: str, out: Path) -> list[str]:
@@ -85,7 +55,7 @@ def _cells(out: Path) -> dict[str, dict[str, Any]]:
 @slow
 def test_a_two_node_cluster_runs_cells_on_both_nodes(tiny_dir, in_process, tmp_path) -> None:
     args = {"sweep": _sweep_args(tiny_dir, tmp_path)}
-    run = _in_loopback([sys.executable, str(Path(__file__).with_name("ray_support.py")), "cluster", json.dumps(args)])
+    run = in_loopback([sys.executable, str(Path(__file__).with_name("ray_support.py")), "cluster", json.dumps(args)])
     assert run.returncode == 0, run.stderr[-3000:]
     sweep = json.loads(run.stdout.splitlines()[-1])
     assert sweep["returncode"] == 0, sweep["stderr"]
@@ -107,7 +77,7 @@ def local(tiny_dir, tmp_path_factory) -> dict[str, Any]:
         "delete": "ppl__h2o__r0.5",
     }
     script = str(Path(__file__).with_name("ray_support.py"))
-    run = _in_loopback([sys.executable, script, "local", json.dumps(args)])
+    run = in_loopback([sys.executable, script, "local", json.dumps(args)])
     assert run.returncode == 0, run.stderr[-3000:]
     return {**json.loads(run.stdout.splitlines()[-1]), "work": work}
 

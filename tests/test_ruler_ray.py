@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_ray
+from ray_support import in_loopback
 
 import kvsieve.ruler.run as ruler_run
 from kvsieve.cli import main
@@ -206,7 +206,7 @@ sys.exit(main(sys.argv[3:]))
 def test_a_local_ray_gives_the_in_process_cells(in_process, tmp_path) -> None:
     out, log = tmp_path / "out", tmp_path / "loads.log"
     argv = _ruler(out, "--model", in_process["grid"].model, "--ray", "--json")
-    run = test_ray._in_loopback([sys.executable, "-c", DRIVER, str(log), str(CAP), *argv])
+    run = in_loopback([sys.executable, "-c", DRIVER, str(log), str(CAP), *argv])
     assert run.returncode == 0, run.stderr[-3000:]
     assert _answers(out) == _answers(in_process["out"])
     pids = log.read_text().split()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_support import TIMEOUT_S, _free_port, _nodes, _wait, loopback_command
+from ray_support import TIMEOUT_S, free_port, in_loopback, two_nodes
 
 from kvsieve.cli import main
 
@@ -211,7 +211,7 @@ def scenario(args: dict[str, Any]) -> dict[str, Any]:
     says; at the end Ctrl-C (SIGINT) must stop it."""
     import openai
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = ["--model", args["model"], "--served-name", NAME, "--policy", "h2o", "--budget", str(BUDGET)]
     argv += ["--port", str(port), "--kv-memory-gb", repr(args["cap"] / 2**30), *args["ray"]]
@@ -259,60 +259,17 @@ def scenario(args: dict[str, Any]) -> dict[str, Any]:
 def cluster(args: dict[str, Any]) -> dict[str, Any]:
     """A head and a second node of one CPU each (``ray start``), then the scenario with ``--ray HOST:PORT``: the two
     replicas (one CPU each) on the two nodes."""
-    ray_bin = Path(sys.executable).with_name("ray")
-    address = f"127.0.0.1:{_free_port()}"
-    common = ["--block", "--num-cpus", "1", "--object-store-memory", str(80 * 2**20), "--disable-usage-stats"]
-    head = ["--head", "--port", address.split(":")[1], "--include-dashboard", "false"]
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     started = time.monotonic()
-    nodes = [subprocess.Popen([ray_bin, "start", *head, *common], **quiet)]
-    try:
-        _wait(lambda: subprocess.run([ray_bin, "status", "--address", address], capture_output=True).returncode == 0)
-        nodes.append(subprocess.Popen([ray_bin, "start", "--address", address, *common], **quiet))
-        _wait(lambda: "2 node" in _nodes(ray_bin, address))
+    with two_nodes() as address:
         cluster_seconds = time.monotonic() - started
         return {**scenario({**args, "ray": ["--ray", address, "--replicas", "2"]}), "cluster_seconds": cluster_seconds}
-    finally:
-        for node in reversed(nodes):
-            node.terminate()
-        for node in reversed(nodes):
-            try:
-                node.wait(10)
-            except subprocess.TimeoutExpired:
-                node.kill()  # (and what it started goes with the namespace's process group: _in_loopback)
 
 
 # --- the tests ------------------------------------------------------------------------------------------------
 
 
-def _in_loopback(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a loopback-only network namespace; whatever it started is killed at the end, also on failure."""
-    tests = str(Path(__file__).parent)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
-        "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.005",  # (a local Ray: ~120 MB of object store)
-        "RAY_AUTH_MODE": "disabled",  # (one namespace, nothing else can reach it)
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    proc = subprocess.Popen(
-        loopback_command(argv),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # (the namespace's processes: Ray's, started by this test)
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-
-
 def _run(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    run = _in_loopback([sys.executable, __file__, name, json.dumps(args)], timeout=TIMEOUT_S * 4)
+    run = in_loopback([sys.executable, __file__, name, json.dumps(args)], timeout=TIMEOUT_S * 4)
     assert run.returncode == 0, run.stderr[-4000:]
     found = json.loads(run.stdout.splitlines()[-1])
     return found
