@@ -139,6 +139,15 @@ def _ruler_cost(result: dict[str, Any]) -> str:
         ]  # fmt: skip
         head = f"A {r['length']:,}-token RULER prompt, {r['dtype']}, peak RSS {r['peak_rss_gib']} GiB:\n\n"
         parts.append(head + md_table(["policy", "to the first token s", "answer s", "answer tokens", "correct"], rows))
+        if "grid" in r:
+            g = r["grid"]
+            parts.append(
+                f"\nThe grid's {g['settings']} settings of this prompt answered together: the shared prompt pass "
+                f"{g['prefill_s']:.1f} s, the agnostic settings' question parts {g['question_s']:.1f} s, the answers "
+                f"{g['answers_s']:.1f} s: **{g['total_s']:.1f} s**, against ≈ {g['alone_s']:.0f} s one setting at a "
+                f"time (the mean of the settings above × {g['settings']}), **{g['speedup']:.1f}× faster**; "
+                f"{g['correct']} of the {g['settings']} answers correct.\n"
+            )
     return "\n".join(parts)
 
 

@@ -2,14 +2,20 @@
 
     python scripts/ruler_cost.py --model qwen2.5-coder-0.5b --lengths 4096 --dtypes float32 bfloat16
     python scripts/ruler_cost.py --model qwen2.5-coder-0.5b --lengths 16384 32768 --policies full h2o
+    python scripts/ruler_cost.py --model qwen2.5-coder-0.5b --lengths 4096 --grid --out cost.json
 
 Each (length, dtype) runs in a fresh process (so that its peak resident memory is its own): one ``niah_single_2``
 sample of the length (seed 0, the built-in articles) answered greedily under each policy at ``--compression``, the
 question-agnostic protocol (``kvsieve.ruler.run.predict``): ``first_token_s`` is the context's forward pass with the
 policy's observation and eviction (the full cache: none) plus the question part's, ``answer_s`` the decoding of the
 ``tokens`` after the first; each policy answers a short prompt first, so that no compilation or warm-up is timed.
-``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON with its
-:func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it on the long-context page).
+``--grid`` then answers the sample under every setting of the default grid (every default policy at the default
+compressions, both protocols, and the full cache) together, as ``kvsieve ruler`` does
+(:func:`~kvsieve.ruler.run.answer`): the shared prompt pass, the question parts of the agnostic settings (one
+batch), the answers (one batch), against the policies timed alone above (their mean time per setting × the grid's
+settings). ``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON
+with its :func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it on the long-context
+page).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from pathlib import Path
 import torch
 
 
-def measure(model_name: str, length: int, dtype: str, policies: list[str], compression: float) -> dict:
+def measure(
+    model_name: str, length: int, dtype: str, policies: list[str], compression: float, grid: bool = False
+) -> dict:
     import kvsieve
     from kvsieve.ruler import run
     from kvsieve.ruler.tasks import Prompter, generate_samples
@@ -45,10 +53,45 @@ def measure(model_name: str, length: int, dtype: str, policies: list[str], compr
                 "answer_s": round(total_s - first_s, 2),
                 "tokens": tokens,
                 "correct": sample.answers[0] in text,
+                "answer": text,
             }
         )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # (KiB on Linux)
-    return {"length": len(head) + len(tail), "dtype": dtype, "peak_rss_gib": round(peak, 2), "rows": rows}
+    result = {"length": len(head) + len(tail), "dtype": dtype, "rows": rows}
+    if grid:
+        result["grid"] = measure_grid(model, tokenizer, sample, (head, tail), rows, compression)
+    result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # (KiB on Linux)
+    return result
+
+
+def measure_grid(model, tokenizer, sample, prompt, alone: list[dict], compression: float) -> dict:
+    """The whole default grid of one sample answered together (``kvsieve.ruler.run.answer``), by phase, against the
+    settings timed alone above (their mean time × the grid's settings; how many of their answers are the same)."""
+    from kvsieve.ruler import run
+
+    head, tail = prompt
+    settings = run.grid_settings(run.default_policies(), run.DEFAULT_COMPRESSIONS, ["agnostic", "aware"])
+    run.predict_together(model, tokenizer, head[:256], tail, settings, 2)  # (warm-up)
+    answers = dict(run.answer(model, tokenizer, sample, prompt, settings))
+    first = {s.protocol: a["first_token_s"] for s, a in answers.items() if s.policy != "full"}
+    total = max(a["total_s"] for a in answers.values())
+    per_setting = sum(r["first_token_s"] + r["answer_s"] for r in alone) / len(alone)
+    timed = {
+        s.policy: a["text"]
+        for s, a in answers.items()
+        if s == run.FULL or (s.key.startswith("agnostic") and s.compression == compression)
+    }
+    same = [r["answer"] == timed[r["policy"]] for r in alone if r["policy"] in timed]  # (agnostic ones, as above)
+    return {
+        "settings": len(settings),
+        "prefill_s": round(first["aware"], 1),
+        "question_s": round(first["agnostic"] - first["aware"], 1),
+        "answers_s": round(total - max(a["first_token_s"] for a in answers.values()), 1),
+        "total_s": round(total, 1),
+        "alone_s": round(per_setting * len(settings), 1),
+        "speedup": round(per_setting * len(settings) / total, 1),
+        "correct": sum(a["score"] == 1.0 for a in answers.values()),
+        "same_as_alone": f"{sum(same)} of {len(same)}",
+    }
 
 
 def main() -> None:
@@ -59,13 +102,14 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["full", "h2o", "snapkv", "streaming_llm", "tova"])
     parser.add_argument("--compression", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--grid", action="store_true", help="also answer the default grid's settings together")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         length, dtype = args.child.split(",")
         torch.set_num_threads(args.threads)
-        result = measure(args.model, int(length), dtype, args.policies, args.compression)
+        result = measure(args.model, int(length), dtype, args.policies, args.compression, args.grid)
         print(json.dumps(result))
         return
     from kvsieve.provenance import provenance
@@ -76,11 +120,12 @@ def main() -> None:
         for dtype in args.dtypes:
             cmd = [sys.executable, __file__, "--child", f"{length},{dtype}", "--threads", str(args.threads)]
             cmd += ["--model", args.model, "--policies", *args.policies, "--compression", str(args.compression)]
+            cmd += ["--grid"] if args.grid else []
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
             results.append(result)
             print(f"{result['length']} tokens, {dtype}: peak RSS {result['peak_rss_gib']} GiB")
-            for row in result["rows"]:
+            for row in [*result["rows"], *([result["grid"]] if "grid" in result else [])]:
                 print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

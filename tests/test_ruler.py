@@ -19,7 +19,16 @@ from kvsieve.cli import main
 from kvsieve.data import load_articles
 from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.ruler.report import write_report
-from kvsieve.ruler.run import FULL, GridSettings, Setting, grid_settings, predict, run_ruler
+from kvsieve.ruler.run import (
+    FULL,
+    GridSettings,
+    Setting,
+    answer,
+    grid_settings,
+    predict,
+    predict_together,
+    run_ruler,
+)
 from kvsieve.ruler.scoring import mean_and_stderr, score
 from kvsieve.ruler.tasks import (
     NOISE,
@@ -340,15 +349,20 @@ RUN_SAMPLES = 2
 
 
 def _count_predict(monkeypatch) -> list[tuple[str, int]]:
-    """Calls of ``predict`` as (setting key, prompt tokens), still computing."""
+    """Settings answered, by ``predict`` or ``predict_together``, as (setting key, prompt tokens), still computing."""
     calls: list[tuple[str, int]] = []
-    real = predict  # (the original, whatever a test patched in)
+    alone, together = predict, predict_together  # (the originals, whatever a test patched in)
 
     def counted(model, tokenizer, head, tail, setting, max_new_tokens):
         calls.append((setting.key, len(head) + len(tail)))
-        return real(model, tokenizer, head, tail, setting, max_new_tokens)
+        return alone(model, tokenizer, head, tail, setting, max_new_tokens)
+
+    def counted_together(model, tokenizer, head, tail, settings, max_new_tokens):
+        calls.extend((setting.key, len(head) + len(tail)) for setting in settings)
+        return together(model, tokenizer, head, tail, settings, max_new_tokens)
 
     monkeypatch.setattr(ruler_run, "predict", counted)
+    monkeypatch.setattr(ruler_run, "predict_together", counted_together)
     return calls
 
 
@@ -390,6 +404,7 @@ def test_run_is_resumable_and_reported(tiny_lm, sources, tmp_path, monkeypatch) 
         raise AssertionError("predict was called on a complete grid")
 
     monkeypatch.setattr(ruler_run, "predict", refuse)
+    monkeypatch.setattr(ruler_run, "predict_together", refuse)
     run()
     assert made_from == [1]
 
@@ -514,6 +529,26 @@ def test_bounded_cache_sizes_by_protocol(tiny64, prompt_ids, monkeypatch, protoc
         budget = round(0.5 * (len(head) + len(tail)))
         assert at_generate == [[0, 0, 0]] and cache.budget_tokens == budget
         assert cache.slot_counts() == [budget] * 3
+
+
+def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkeypatch) -> None:
+    """One shared prompt pass, the question parts batched and the answers decoded as one batch give every setting
+    the answer it gets alone (float64: round-off cannot decide a near-tie); a narrowing policy is answered alone."""
+    model, tok = tiny64
+    head, tail = prompt_ids
+    policies = ["full", "h2o", "tova", "snapkv", "scissorhands", "ahakv", "streaming_llm", "knorm", "topk_oracle"]
+    settings = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
+    shared = [s for s in settings if s.policy != "topk_oracle"]
+    got = predict_together(model, tok, head, tail, shared, 6)
+    for setting, (text, n, first, total_s) in zip(shared, got, strict=True):
+        assert (text, n) == predict(model, tok, head, tail, setting, 6)[:2], setting.key
+        assert 0 < first <= total_s
+    (sample,) = generate_samples("niah_single_1", 200, 1, Prompter(tok), sources)
+    monkeypatch.setattr(ruler_run, "max_new_tokens", lambda task: 6)
+    answered = dict(answer(model, tok, sample, (head, tail), settings))
+    assert list(answered) == shared + [s for s in settings if s.policy == "topk_oracle"]
+    for setting, (text, n, *_) in zip(shared, got, strict=True):
+        assert (answered[setting]["text"], answered[setting]["answer_tokens"]) == (text, n)
 
 
 @pytest.mark.slow

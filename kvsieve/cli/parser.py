@@ -339,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (finished answers in it are not recomputed)")
     p.add_argument("--tasks", nargs="+", help="default: all (see kvsieve.ruler.tasks)")
     p.add_argument("--lengths", type=POSITIVE_INT, nargs="+", help="prompt lengths in tokens (default 4096)")
-    p.add_argument("--policies", nargs="+", help="policy specs (default: every registered policy)")
+    p.add_argument(
+        "--policies", nargs="+", help="policy specs (default: every registered policy but topk_oracle, which narrows)"
+    )
     p.add_argument(
         "--compressions", type=FRACTION, nargs="+", help="shares of tokens dropped (default 0.25 0.5 0.75 0.9)"
     )

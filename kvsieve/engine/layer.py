@@ -412,26 +412,8 @@ class SieveLayer(CacheLayerMixin):
         """One chunk, its tokens starting at index ``offset`` of the step's: store → attend → observe → evict.
         Returns its output and, with ``args.weights``, its probabilities by column (see :meth:`_columns`)."""
         store, policy = self.store, self.policy
-        q, heads = chunk.keys.shape[2], chunk.keys.shape[1]
-        if store.stale is not None and q > 1:
-            store.compact()
-        query_pos, self.newest, new_pos = self.memo.share(
-            "positions",
-            (self.tokens_seen, offset, q, heads),
-            lambda: chunk_positions(self.newest, chunk.padding, q, heads),
-        )
-        store.may_hold_padding |= chunk.padding is not None
-        keys = chunk.keys if self.rotary is None else self.rotary.rotate(chunk.keys, -query_pos[:, None, :])
-        start = store.append(
-            keys,
-            chunk.values,
-            new_pos,
-            policy.initial_state(keys, new_pos),
-            self.newest,
-            chunk.padding is not None,
-            self._expand_stale,
-        )
-        slots = store.view(self.newest)
+        q = chunk.keys.shape[2]
+        slots, query_pos, start = self._store_chunk(chunk.keys, chunk.values, chunk.padding, offset)
         keys, values, query, exact = slots.keys, slots.values, chunk.query, None
         if q > 1 and store.step is not None and store.step.exact is not None:
             # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
@@ -449,9 +431,7 @@ class SieveLayer(CacheLayerMixin):
             causal_tail=not policy.observes_all_slots,  # (the chunk's tokens are the last q slots, in order)
         )
         weights = None
-        # Once a bounded policy's layer may grow without limit, nothing is evicted again: its statistics would never
-        # be used. A policy that never evicts observes all the same (the profiled schedule's Coverage measures).
-        observes = policy.needs_attention and not policy.narrows and (self.limit is not None or not policy.bounded)
+        observes = self.observes
         decided = victim = None
         if observes and seen.all_visible and not (args.explicit or exact) and decodes_by_rule(policy.rule, keys.device):
             decided = self._decide_by_rule(query, keys, values, slots, args)
@@ -481,6 +461,64 @@ class SieveLayer(CacheLayerMixin):
         self._evict(slots, victim)
         store.release()
         return out, weights
+
+    def _store_chunk(
+        self, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None, offset: int
+    ) -> tuple[Slots, torch.Tensor, int]:
+        """Store a chunk's tokens (keys and values ``[B, H, q, D]``, validity ``[B, q]``; starting at index
+        ``offset`` of the step's) after the held ones: the view of the slots in use, the chunk's query positions
+        ``[B, q]`` (-1 = padding) and the slot of its first token."""
+        store = self.store
+        q, heads = keys.shape[2], keys.shape[1]
+        if store.stale is not None and q > 1:
+            store.compact()
+        query_pos, self.newest, new_pos = self.memo.share(
+            "positions",
+            (self.tokens_seen, offset, q, heads),
+            lambda: chunk_positions(self.newest, padding, q, heads),
+        )
+        store.may_hold_padding |= padding is not None
+        keys = keys if self.rotary is None else self.rotary.rotate(keys, -query_pos[:, None, :])
+        start = store.append(
+            keys,
+            values,
+            new_pos,
+            self.policy.initial_state(keys, new_pos),
+            self.newest,
+            padding is not None,
+            self._expand_stale,
+        )
+        return store.view(self.newest), query_pos, start
+
+    @property
+    def observes(self) -> bool:
+        """Whether the step hands the policy its attention. Once a bounded policy's layer may grow without limit,
+        nothing is evicted again: its statistics would never be used. A policy that never evicts observes all the
+        same (the profiled schedule's Coverage measures)."""
+        policy = self.policy
+        return policy.needs_attention and not policy.narrows and (self.limit is not None or not policy.bounded)
+
+    def unshared(self) -> str | None:
+        """Why the pending step cannot be stored as a shared prompt's (:meth:`store_prompt`); None if it can."""
+        if self.tokens_seen != self.pending[0].shape[2] or self.prompt_tokens not in (None, self.tokens_seen):
+            return "a shared prompt fills an empty layer, all of it a prompt"
+        if self.streaming or self.rotary is not None or isinstance(self.codec, KVQuant) or self.record_past:
+            return "a shared prompt needs plain slots (no stream protocol, position rolling, quantization or recording)"
+        return None
+
+    def store_prompt(self) -> Slots:
+        """Store the pending step — a whole prompt over an empty layer of plain slots (:meth:`unshared`) — without
+        attending: the view of its slots, whose policy observes attention computed elsewhere
+        (:class:`~kvsieve.engine.shared.SharedPrompt`) before :meth:`close_prompt`."""
+        (keys, values), self.pending = self.pending, None
+        self.prompt_tokens = None
+        return self._store_chunk(keys, values, None, 0)[0]
+
+    def close_prompt(self, slots: Slots) -> None:
+        """Evict after :meth:`store_prompt` and its observations: the layer is then as a prompt step leaves it."""
+        self._evict(slots)
+        self.store.release()
+        self._enter_phase(decoding=True)
 
     def _decide_by_rule(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: Slots, args: AttentionArgs

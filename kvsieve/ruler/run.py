@@ -46,7 +46,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from kvsieve.api import generated, make_cache
+from kvsieve.api import eos_ids, generated, make_cache
+from kvsieve.engine.shared import SharedPrompt, StackedRows
 from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.policies import REGISTRY, get_policy
 from kvsieve.ruler.scoring import score
@@ -65,6 +66,7 @@ __all__ = [
     "grid_settings",
     "haystack_name",
     "predict",
+    "predict_together",
     "run_ruler",
     "sources",
 ]
@@ -84,8 +86,10 @@ QUICK: dict[str, Any] = {
 
 
 def default_policies() -> list[str]:
-    """Every registered policy."""
-    return list(REGISTRY)
+    """Every registered policy whose settings share the prompt's forward pass (:func:`predict_together`): all but
+    those that narrow attention (``topk_oracle``, an oracle that keeps every token), each of whose settings costs a
+    forward pass of its own — give them by name."""
+    return [name for name, policy in REGISTRY.items() if not policy.narrows]
 
 
 def sources(file: str | Path | None = None, with_reading: bool = True) -> Sources:
@@ -230,6 +234,72 @@ def predict(
     return text.strip(), n, (streamer.at or end) - start, end - start
 
 
+def predict_together(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    head: Sequence[int],
+    tail: Sequence[int],
+    settings: Sequence[Setting],
+    max_new_tokens: int,
+) -> list[tuple[str, int, float, float]]:
+    """:func:`predict` for each of ``settings`` at once, with the same answers (tested): one forward pass of the
+    prompt fills every setting's cache (:class:`~kvsieve.engine.shared.SharedPrompt`; an ``agnostic`` cache takes the
+    context part), the question part is fed to the ``agnostic`` caches as the rows of one batch, and the answers of
+    all settings are decoded together as the rows of one batch (:class:`~kvsieve.engine.shared.StackedRows`), each row
+    leaving it at its end. Each setting's seconds are those of the work it waited for: its first token after the
+    shared pass (and, ``agnostic``, the batched question part), its answer when its row ended. Policies that narrow
+    attention have a prompt pass of their own: :func:`predict` them."""
+    device, n = model.device, len(settings)
+    ids = torch.tensor([[*head, *tail]], device=device)
+    agnostic = [s.protocol == "agnostic" and s.policy != "full" for s in settings]
+    caches = [
+        make_cache(model, s.policy, s.budget, **({"decode_budget": None} if a else {}))
+        for s, a in zip(settings, agnostic, strict=True)
+    ]
+    eos = eos_ids(model, tokenizer)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        shared = SharedPrompt(caches, [len(head) if a else None for a in agnostic])
+        last = model(input_ids=ids, cache=shared, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens = [[int(last[0].argmax())] for _ in settings]
+        first_s = [time.perf_counter() - start] * n
+        asking = [i for i in range(n) if agnostic[i]]
+        if asking:
+            question = ids[:, len(head) :].expand(len(asking), -1)
+            stack = StackedRows([caches[i] for i in asking])
+            logits = model(input_ids=question, cache=stack, use_cache=True, logits_to_keep=1).logits[:, -1]
+            at = time.perf_counter() - start
+            for row, i in enumerate(asking):
+                tokens[i], first_s[i] = [int(logits[row].argmax())], at
+        total_s = [0.0] * n
+
+        def running(i: int) -> bool:
+            return len(tokens[i]) < max_new_tokens and tokens[i][-1] not in eos
+
+        live = [i for i in range(n) if running(i)]
+        for i in set(range(n)) - set(live):
+            total_s[i] = first_s[i]
+        stack = StackedRows([caches[i] for i in live]) if live else None
+        while live:
+            step = torch.tensor([[tokens[i][-1]] for i in live], device=device)
+            logits = model(input_ids=step, cache=stack, use_cache=True).logits[:, -1]
+            at = time.perf_counter() - start
+            for row, i in enumerate(live):
+                tokens[i].append(int(logits[row].argmax()))
+            staying = [row for row, i in enumerate(live) if running(i)]
+            for row, i in enumerate(live):
+                if row not in staying:
+                    total_s[i], caches[i] = at, None  # (its cache is freed as it leaves the batch)
+            if staying and len(staying) < len(live):
+                stack.batch_select_indices(torch.tensor(staying))
+            live = [live[row] for row in staying]
+    out = []
+    for i in range(n):
+        (text,), (count,) = generated(model, tokenizer, torch.tensor([tokens[i]]), 0)
+        out.append((text.strip(), count, first_s[i], total_s[i]))
+    return out
+
+
 def answer(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -237,10 +307,15 @@ def answer(
     prompt: tuple[Sequence[int], Sequence[int]],
     settings: Sequence[Setting],
 ) -> Iterator[tuple[Setting, dict[str, Any]]]:
-    """``sample``'s answers to its ``prompt`` (context part, question part) under each of ``settings`` in turn, each
-    as a cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike."""
-    for setting in settings:
-        text, n, first, total_s = predict(model, tokenizer, *prompt, setting, max_new_tokens(sample.task))
+    """``sample``'s answers to its ``prompt`` (context part, question part) under each of ``settings``, each as a
+    cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike. Every setting
+    whose policy does not narrow attention is answered at once (:func:`predict_together`), the others one by one
+    (:func:`predict`)."""
+    limit = max_new_tokens(sample.task)
+    together = [s for s in settings if not get_policy(s.policy).narrows]
+    answers = predict_together(model, tokenizer, *prompt, together, limit) if together else []
+    alone = ((s, predict(model, tokenizer, *prompt, s, limit)) for s in settings if s not in together)
+    for setting, (text, n, first, total_s) in (*zip(together, answers, strict=True), *alone):
         yield setting, asdict(Prediction(text, score(sample.task, text, sample.answers), n, first, total_s))
 
 

@@ -1,0 +1,285 @@
+"""Several kvsieve caches in one forward pass: a grid of settings pays for one model pass, not one per setting.
+
+- :class:`SharedPrompt`: one prompt's forward pass fills several empty caches — any policies, budgets and decode
+  budgets — each with the whole prompt or with its first ``end`` tokens. A prompt step attends with full attention
+  and evicts after it (:class:`~kvsieve.engine.layer.SieveLayer`), so the pass's keys, values and outputs, and the
+  attention each policy observes, are those of every cache alone: the pass computes them once, hands each policy
+  its own rows of the same attention (the last ``observed_rows()`` of its ``end``, blocks in order, as its own step
+  would), and each cache evicts by its own rule. The attention is the explicit one over the rows any policy
+  observes and the fused kernel over the rows none does, as a layer alone computes it: a cache alone computes the
+  rows its policy skips with the fused kernel, so outputs and scores agree with running each cache alone up to the
+  rounding of the two kernels (the tests check that the kept tokens and the answers are the same).
+- :class:`StackedRows`: one batch whose rows are held by several caches (cache ``i`` holds the next ``B_i`` rows):
+  the model's layers run on the whole batch, and each cache attends, observes and evicts its own rows under its
+  own policy. Rows are removed with ``batch_select_indices``; a cache left without rows leaves the batch.
+
+Both serve one forward pass each and refuse what they do not implement: padding, ``output_attentions`` and
+policies that narrow attention (their prompt's outputs are their own) in a shared prompt; caches at different
+positions in a stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvsieve.engine.attention import SieveMask, claim_mask, hand_over
+from kvsieve.engine.cache import SieveCache
+from kvsieve.engine.layer import SieveLayer
+from kvsieve.engine.slot_attention import AttentionArgs, Visibility, fused_attention, observed_attention
+from kvsieve.policies.base import Observation, Policy, Slots
+
+__all__ = ["SharedPrompt", "StackedRows"]
+
+
+def _layers_of(caches: Sequence[SieveCache]) -> list[list[SieveLayer]]:
+    """Layer ``i`` of every cache, for each ``i`` (checked: at least one cache, all for models of as many layers)."""
+    if not caches:
+        raise ValueError("need at least one cache")
+    for cache in caches:
+        if not isinstance(cache, SieveCache):
+            raise TypeError(f"expected kvsieve caches (kvsieve.make_cache), got {type(cache).__name__}")
+    counts = {len(cache.layers) for cache in caches}
+    if len(counts) > 1:
+        raise ValueError(f"the caches were made for models of different depths ({sorted(counts)} layers)")
+    return [list(layers) for layers in zip(*(cache.layers for cache in caches), strict=True)]
+
+
+class _Together(CacheLayerMixin):
+    """What the model and the kvsieve attention function need of a layer that stands for several."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, subs: list[SieveLayer]) -> None:
+        super().__init__()
+        self.subs = subs
+        self.layer_idx = subs[0].layer_idx
+        self.is_sliding = subs[0].is_sliding
+
+    @property
+    def n_layers(self) -> int:
+        return self.subs[0].n_layers
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True  # (each cache's layer initializes itself)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def discard_step(self) -> None:
+        for sub in self.subs:
+            sub.discard_step()
+
+
+class _SharedLayer(_Together):
+    def __init__(self, subs: list[SieveLayer], ends: list[int | None]) -> None:
+        super().__init__(subs)
+        self.ends = ends
+        self.tokens_seen = 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = key_states.shape[-2]
+        if self.tokens_seen:
+            raise ValueError("a SharedPrompt serves one forward pass (the prompt); continue with each cache")
+        too_long = [end for end in self.ends if end is not None and not 0 < end <= q]
+        if too_long:
+            raise ValueError(f"a cache's end must be in [1, {q}] (the prompt's tokens), got {too_long[0]}")
+        self.lazy_initialization(key_states, value_states)
+        for sub, end in zip(self.subs, self.ends, strict=True):
+            sub.update(key_states[:, :, :end], value_states[:, :, :end])
+        self.tokens_seen = q
+        self.pending = (key_states, value_states)
+        hand_over(self, key_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        claim_mask(self.tokens_seen + query_length)
+        return self.tokens_seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens_seen
+
+    def discard_step(self) -> None:
+        super().discard_step()
+        self.pending, self.tokens_seen = None, 0
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SieveMask, args: AttentionArgs
+    ) -> tuple[torch.Tensor, None]:
+        keys, values = self.pending
+        bsz, heads, q = keys.shape[:3]
+        refused = next((why for why in map(SieveLayer.unshared, self.subs) if why is not None), None)
+        if mask.new_tokens(q) is not None or args.weights:
+            refused = "a SharedPrompt implements neither padding nor output_attentions"
+        if refused is not None:
+            self.discard_step()
+            raise ValueError(refused)
+        self.pending = None
+        views = [sub.store_prompt() for sub in self.subs]
+        watchers = []  # (policy, its slots, its end, its first observed row)
+        for sub, view, end in zip(self.subs, views, self.ends, strict=True):
+            if sub.observes:
+                end = q if end is None else end
+                rows = sub.policy.observed_rows()
+                watchers.append((sub.policy, view, end, 0 if rows is None else max(0, end - rows)))
+        positions = torch.arange(q, device=keys.device)
+        key_pos, query_pos = positions.expand(bsz, heads, q), positions.expand(bsz, q)
+        seen = Visibility(causal_tail=True)
+        head = 0 if args.explicit else min((first for *_, first in watchers), default=q)
+        outs = []
+        if head:
+            early = (keys[:, :, :head], values[:, :, :head], key_pos[..., :head])
+            outs.append(fused_attention(query[:, :, :head], *early, query_pos[:, :head], args, seen))
+        if head < q:
+            done = head  # (the blocks come in order: the first row of the next one)
+
+            def observe(obs: Observation) -> None:
+                nonlocal done
+                start, done = done, done + obs.query_pos.shape[1]
+                for policy, view, end, first in watchers:
+                    part = _rows(obs, start, max(first, start), min(end, done), end, policy, view)
+                    if part is not None:
+                        policy.observe(view.prefix(part.key_pos.shape[-1]), part)
+
+            late = (query[:, :, head:], keys, values, key_pos, query_pos[:, head:], args, seen)
+            outs.append(observed_attention(*late, observe, step_rows=q)[0])
+        for sub, view in zip(self.subs, views, strict=True):
+            sub.close_prompt(view)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), None
+
+
+def _rows(obs: Observation, start: int, lo: int, hi: int, end: int, policy: Policy, view: Slots) -> Observation | None:
+    """Rows ``lo:hi`` of ``obs`` (whose first row is row ``start`` of the prompt) as the step of a cache that took
+    the prompt's first ``end`` tokens observes them: over its slots up to its own last token (all of them for a
+    policy that observes every slot), a step of ``end`` rows. None when ``obs`` has none of those rows."""
+    if lo >= hi:
+        return None
+    rows = slice(lo - start, hi - start)
+    cols = end if policy.observes_all_slots else min(obs.key_pos.shape[-1], end)
+    have = obs.key_pos.shape[-1]
+    probs, logits = obs.probs[:, :, rows, :cols], obs.logits[..., rows, :cols]
+    if cols > have:  # (keys no row of the block sees: probability 0, logit -inf)
+        probs = torch.nn.functional.pad(probs, (0, cols - have))
+        logits = torch.nn.functional.pad(logits, (0, cols - have), value=float("-inf"))
+    mask = None if obs.mask is None or cols > have else obs.mask[:, :, rows, :cols]
+    return replace(
+        obs,
+        probs=probs,
+        logits=logits,
+        query_pos=obs.query_pos[:, rows],
+        step_rows=end,
+        key_pos=view.pos[..., :cols],
+        mask=mask,
+    )
+
+
+class SharedPrompt(Cache):
+    """One forward pass of a prompt into several empty kvsieve caches (see the module docstring): cache ``i`` takes
+    the prompt's first ``ends[i]`` tokens (default: all). After the pass each cache holds what a forward pass of its
+    tokens alone would have left it; continue with each (or with several as :class:`StackedRows`). The pass's
+    logits are those of the whole prompt: for a cache with a shorter ``end``, feed it the rest.
+
+    >>> caches = [make_cache(model, "h2o", 0.25), make_cache(model, "snapkv", 0.5, decode_budget=None)]
+    >>> model(input_ids=ids, cache=SharedPrompt(caches, ends=[None, 3000]), logits_to_keep=1)
+    """
+
+    def __init__(self, caches: Sequence[SieveCache], ends: Sequence[int | None] | None = None) -> None:
+        layers = _layers_of(caches)
+        ends = [None] * len(caches) if ends is None else list(ends)
+        if len(ends) != len(caches):
+            raise ValueError(f"{len(ends)} ends for {len(caches)} caches")
+        for cache in caches:
+            if cache.get_seq_length():
+                raise ValueError("a SharedPrompt fills empty caches (use new ones, or reset())")
+            narrowing = [policy.name for policy, *_ in cache.plan.layer_policies if policy.narrows]
+            if narrowing:
+                raise ValueError(
+                    f"{narrowing[0]} narrows the prompt's attention: its forward pass is its own, run it alone"
+                )
+        super().__init__(layers=[_SharedLayer(subs, ends) for subs in layers])
+        self.caches = list(caches)
+
+
+class _StackedLayer(_Together):
+    def __init__(self, subs: list[SieveLayer], spans: list[slice]) -> None:
+        super().__init__(subs)
+        self.spans = spans
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        for sub, span in zip(self.subs, self.spans, strict=True):
+            sub.update(key_states[span], value_states[span])
+        hand_over(self, key_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.subs[0].get_mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.subs[0].get_seq_length()
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SieveMask, args: AttentionArgs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        outs, weights = [], []
+        for sub, span in zip(self.subs, self.spans, strict=True):
+            padding = None if mask.padding is None else mask.padding[span]
+            rows = SieveMask(padding, mask.window, mask.unsupported)
+            out, w = sub.attend(query[span], key[span], value[span], rows, args)
+            outs.append(out)
+            weights.append(w)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out, None if weights[0] is None else torch.cat(weights)
+
+
+class StackedRows(Cache):
+    """One batch whose rows are held by several kvsieve caches, in order (see the module docstring). The caches
+    hold tokens and have seen as many (the model derives the step's positions from one count); feed the batch as
+    the rows of the caches one after the other."""
+
+    def __init__(self, caches: Sequence[SieveCache]) -> None:
+        _layers_of(caches)
+        seen = {cache.get_seq_length() for cache in caches}
+        if 0 in seen or len(seen) > 1:
+            raise ValueError(
+                f"stacked caches hold tokens and have seen as many (their positions are shared), got {sorted(seen)}"
+            )
+        self.caches = list(caches)
+        self.rows = [cache.layers[0].store.positions.shape[0] for cache in caches]
+        super().__init__(layers=self._stack())
+
+    def _stack(self) -> list[_StackedLayer]:
+        bounds = torch.tensor([0, *self.rows]).cumsum(0).tolist()
+        spans = [slice(lo, hi) for lo, hi in pairwise(bounds)]
+        return [_StackedLayer(subs, spans) for subs in _layers_of(self.caches)]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (ascending): each cache keeps its own, and a cache left without rows leaves."""
+        keep = [int(i) for i in torch.as_tensor(indices).flatten().tolist()]
+        if keep != sorted(set(keep)) or (keep and not 0 <= keep[0] <= keep[-1] < sum(self.rows)):
+            raise ValueError(f"rows to keep must be ascending indices of the {sum(self.rows)} rows, got {keep}")
+        caches, rows, first = [], [], 0
+        for cache, n in zip(self.caches, self.rows, strict=True):
+            local = [i - first for i in keep if first <= i < first + n]
+            first += n
+            if not local:
+                continue
+            if len(local) < n:
+                cache.batch_select_indices(torch.tensor(local))
+            caches.append(cache)
+            rows.append(len(local))
+        if not caches:
+            raise ValueError("a stack keeps at least one row")
+        self.caches, self.rows = caches, rows
+        self.layers = self._stack()

@@ -1,0 +1,145 @@
+"""Several caches in one forward pass: ``SharedPrompt`` fills each cache as its own forward pass of its tokens would
+(the same kept tokens, policy state and logits), ``StackedRows`` decodes each cache's rows as that cache alone
+(float64, so that round-off, which differs between a batch and a row alone, cannot decide a near-tie)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve.engine.shared import SharedPrompt, StackedRows
+
+PROMPT, CONTEXT = 48, 37  # (the question-agnostic caches take the first CONTEXT tokens)
+SETTINGS = [  # (policy, budget, end, make_cache keywords)
+    ("h2o", 0.5, None, {}),
+    ("h2o", 0.25, CONTEXT, {"decode_budget": None}),
+    ("tova", 0.5, None, {}),
+    ("snapkv", 0.5, CONTEXT, {"decode_budget": None}),
+    ("snapkv", 16, None, {}),
+    ("scissorhands", 0.5, None, {}),
+    ("ahakv", 0.5, None, {}),
+    ("ahakv", 0.3, CONTEXT, {"decode_budget": None}),
+    ("streaming_llm", 0.5, None, {}),
+    ("knorm", 0.5, CONTEXT, {"decode_budget": None}),
+    ("local", 0.5, None, {}),
+    ("h2o:recent=0,normalize=true", 0.5, None, {}),
+    ("full", None, None, {}),
+]
+
+
+def _caches(model):
+    return [kvsieve.make_cache(model, policy, budget, **kw) for policy, budget, _, kw in SETTINGS]
+
+
+def _held(cache) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Each layer's held positions and policy state (the slots in use)."""
+    return [
+        (layer.held_positions(), {k: v[:, :, : layer.store.used] for k, v in layer.store.state.items()})
+        for layer in cache.layers
+    ]
+
+
+@pytest.mark.parametrize("model_name", ["llama_gqa", "gemma3"])
+def test_shared_prompt_fills_each_cache_as_alone_and_stacked_rows_decode_as_alone(
+    tiny_models, make_ids, model_name
+) -> None:
+    model = tiny_models(model_name, torch.float64)
+    ids = make_ids(1, PROMPT, seed=4)
+    ends = [end for _, _, end, _ in SETTINGS]
+    shared, alone = _caches(model), _caches(model)
+    with torch.inference_mode():
+        logits = model(ids, cache=SharedPrompt(shared, ends)).logits
+        for (policy, *_), end, cache, solo in zip(SETTINGS, ends, shared, alone, strict=True):
+            want = model(ids[:, :end], cache=solo).logits
+            if end is None:
+                torch.testing.assert_close(logits, want, rtol=1e-12, atol=1e-12, msg=policy)
+            for (pos, state), (want_pos, want_state) in zip(_held(cache), _held(solo), strict=True):
+                assert torch.equal(pos, want_pos), policy
+                for name, value in state.items():
+                    torch.testing.assert_close(value, want_state[name], rtol=1e-12, atol=1e-12, msg=policy)
+        # The question-agnostic caches take the rest of the prompt as a batch; then every cache decodes in one.
+        asking = [i for i, end in enumerate(ends) if end is not None]
+        model(ids[:, CONTEXT:].expand(len(asking), -1), cache=StackedRows([shared[i] for i in asking]))
+        for i in asking:
+            model(ids[:, CONTEXT:], cache=alone[i])
+        steps, feeds = 8, make_ids(len(SETTINGS), 8, seed=5)
+        stack, rows = StackedRows(shared), list(range(len(SETTINGS)))
+        got = {row: [] for row in rows}
+        for t in range(steps):
+            out = model(feeds[rows, t : t + 1], cache=stack).logits
+            for i, row in enumerate(rows):
+                got[row].append(out[i])
+            if t in (2, 5):  # rows leave: every third, then the first of those left (a cache with its only row)
+                keep = [i for i in range(len(rows)) if i % 3 != 1] if t == 2 else list(range(1, len(rows)))
+                stack.batch_select_indices(torch.tensor(keep))
+                rows = [rows[i] for i in keep]
+        assert len(stack.caches) == len(rows)
+        for row, solo in enumerate(alone):
+            want = torch.cat([model(feeds[row : row + 1, t : t + 1], cache=solo).logits for t in range(len(got[row]))])
+            torch.testing.assert_close(torch.cat(got[row]), want.squeeze(1), rtol=1e-9, atol=1e-9, msg=SETTINGS[row][0])
+
+
+def test_stacked_rows_of_batched_caches(tiny_models, make_ids) -> None:
+    """A cache of several rows keeps them together in a stack; rows are selected within it."""
+    model = tiny_models("llama_gqa", torch.float64)
+    ids = make_ids(3, 20, seed=2)
+    first, second = kvsieve.make_cache(model, "h2o", 8), kvsieve.make_cache(model, "tova", 6)
+    solo = [kvsieve.make_cache(model, "h2o", 8), kvsieve.make_cache(model, "tova", 6)]
+    feeds = make_ids(3, 3, seed=3)
+    with torch.inference_mode():
+        model(ids[:2], cache=first)
+        model(ids[2:], cache=second)
+        model(ids[:2], cache=solo[0])
+        model(ids[2:], cache=solo[1])
+        stack = StackedRows([first, second])
+        got = model(feeds[:, :1], cache=stack).logits
+        torch.testing.assert_close(got[:2], model(feeds[:2, :1], cache=solo[0]).logits, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got[2:], model(feeds[2:, :1], cache=solo[1]).logits, rtol=1e-9, atol=1e-9)
+        stack.batch_select_indices(torch.tensor([1, 2]))
+        solo[0].batch_select_indices(torch.tensor([1]))
+        got = model(feeds[1:, 1:2], cache=stack).logits
+        torch.testing.assert_close(got[:1], model(feeds[1:2, 1:2], cache=solo[0]).logits, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got[1:], model(feeds[2:, 1:2], cache=solo[1]).logits, rtol=1e-9, atol=1e-9)
+        with pytest.raises(ValueError, match="ascending"):
+            stack.batch_select_indices(torch.tensor([1, 0]))
+
+
+def test_what_a_shared_prompt_refuses(tiny_models, make_ids) -> None:
+    model = tiny_models("llama_gqa", torch.float32)
+    ids = make_ids(2, 12, seed=1)
+    with pytest.raises(ValueError, match="topk_oracle narrows"):
+        SharedPrompt([kvsieve.make_cache(model, "h2o", 4), kvsieve.make_cache(model, "topk_oracle", 4)])
+    used = kvsieve.make_cache(model, "h2o", 4)
+    with torch.inference_mode():
+        model(ids, cache=used)
+    with pytest.raises(ValueError, match="empty caches"):
+        SharedPrompt([used])
+    with pytest.raises(ValueError, match="2 ends for 1 caches"):
+        SharedPrompt([kvsieve.make_cache(model, "h2o", 4)], [3, 4])
+    with pytest.raises(ValueError, match="end must be in"), torch.inference_mode():
+        model(ids, cache=SharedPrompt([kvsieve.make_cache(model, "h2o", 4)], [13]))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    cache = kvsieve.make_cache(model, "h2o", 4)
+    with pytest.raises(ValueError, match="padding"), torch.inference_mode():
+        model(ids, attention_mask=mask, cache=SharedPrompt([cache]))
+    with torch.inference_mode():  # (nothing half-done: the cache takes a prompt of its own afterwards)
+        model(ids, cache=cache)
+    assert cache.get_seq_length() == 12
+    for kwargs in ({"kv_bits": 8, "group_size": 16}, {"rolling": True}, {"stream": True}):
+        plain, other = kvsieve.make_cache(model, "h2o", 4), kvsieve.make_cache(model, "h2o", 4, **kwargs)
+        with pytest.raises(ValueError, match="plain slots"), torch.inference_mode():
+            model(ids, cache=SharedPrompt([plain, other]))
+        with torch.inference_mode():
+            for cache in (plain, other):
+                model(ids, cache=cache)
+                assert cache.get_seq_length() == 12
+    short, long = kvsieve.make_cache(model, "h2o", 4), kvsieve.make_cache(model, "h2o", 4)
+    with torch.inference_mode():
+        model(ids[:, :5], cache=short)
+        model(ids, cache=long)
+    with pytest.raises(ValueError, match="seen as many"):
+        StackedRows([short, long])
+    with pytest.raises(ValueError, match="seen as many"):
+        StackedRows([kvsieve.make_cache(model, "h2o", 4)])
