@@ -103,7 +103,7 @@ def test_ray_units_are_the_samples_with_pending_settings_and_give_the_in_process
         run_ruler(None, tokenizer, tmp_path, lambda: sources, grid, *args, progress=False, ray=options, device="cpu")
 
     run()
-    assert seen["units"] == [[(t, LENGTH, i, KEYS) for t in TASKS for i in range(SAMPLES)]]
+    assert seen["units"] == [[(t, LENGTH, i, KEYS) for i in range(SAMPLES) for t in TASKS]]  # (sample-major)
     assert seen["calls"] == [[(grid, "cpu", 2, options)] * 4]  # (threads: the task's CPUs)
     assert seen["models"] == [(grid.model, "float32", "cpu")] * 4
     assert _answers(tmp_path) == _answers(in_process["out"])

@@ -17,8 +17,9 @@ RULER's per-task token limits (:data:`MAX_NEW_TOKENS`).
 **Files** in ``OUT``: ``samples/<task>_<length>.jsonl`` (the generated samples, so that another tool can be fed the
 identical prompts), ``cells/<task>_<length>_<setting>.json`` (each sample's answer, score and timings, with the
 settings they were computed with: a cell computed with other settings is computed again), and the report
-(:mod:`kvsieve.ruler.report`). The loop runs sample by sample, every setting of a sample in turn, and a cell file is
-rewritten after each answer: an interrupted run loses at most one answer and a rerun computes only what is missing.
+(:mod:`kvsieve.ruler.report`). The loop runs sample by sample — the first sample of every task, then the second of
+each, … — every setting of a sample at once (:func:`answer`), and the cell files are rewritten after each sample: an
+interrupted run loses at most one sample's answers and a rerun computes only what is missing.
 
 **On Ray** (``kvsieve ruler --ray [ADDRESS]``; :mod:`kvsieve.evaluation.ray_sweep` for the options and the cluster):
 this process makes or reads the samples and their prompt tokens, then each sample with settings still to answer is
@@ -442,12 +443,13 @@ def run_ruler(
             todo.append((task, length, cells))
 
     def units() -> Iterator[tuple[Sample, tuple[list[int], list[int]], dict[Setting, _Cell]]]:
-        """Each sample with settings still to answer: the sample, its prompt tokens, the cells lacking it (samples
-        are made or read one ``(task, length)`` at a time, as they are reached)."""
-        for task, length, cells in todo:
-            if all(len(c.predictions) >= samples for c in cells.values()):
-                continue
-            for sample in samples_for(out, task, length, samples, prompter, sources, grid):
+        """Each sample with settings still to answer: the sample, its prompt tokens, the cells lacking it. Sample 0
+        of every ``(task, length)``, then sample 1 of each, …: a run cut short covers every task (samples are made or
+        read at the start, a ``(task, length)`` at a time)."""
+        open_cells = [t for t in todo if not all(len(c.predictions) >= samples for c in t[2].values())]
+        made = [samples_for(out, task, length, samples, prompter, sources, grid) for task, length, _ in open_cells]
+        for index in range(samples):
+            for (_, _, cells), sample in zip(open_cells, (m[index] for m in made), strict=True):
                 lacking = {s: c for s, c in cells.items() if sample.index not in c.predictions}
                 if lacking:
                     yield sample, prompter.ids(sample.context, sample.question, sample.answer_prefix), lacking
