@@ -33,6 +33,7 @@ def make_cache(
     kv_bits: int | None = None,
     group_size: int | None = None,
     residual: int | None = None,
+    kernels: str = "auto",
     **policy_kwargs: Any,
 ) -> SieveCache:
     """An evicting cache for ``model``: use it as ``cache`` in ``generate`` or a forward loop.
@@ -52,8 +53,10 @@ def make_cache(
     growth, i.e. prefill-only compression; default ``"budget"``: the cache never grows). ``kv_bits`` (8, 4 or 2;
     default None: as the model computes them) stores keys and values as packed codes, ``group_size`` channels per
     float16 scale/zero (default 32), the ``residual`` newest tokens of each row also exactly (default 16; see
-    :mod:`kvsieve.engine.quant`); any policy. Switches the model to kvsieve's attention implementation (see
-    :func:`use_kvsieve_attention`).
+    :mod:`kvsieve.engine.quant`); any policy. ``kernels``: ``"auto"`` (default) runs the compiled CPU loops
+    (numba, the ``fast`` extra) where a policy's rule has one, ``"torch"`` the policies' torch code only — the same
+    decisions (tested), as on a GPU (see :mod:`kvsieve.engine.compiled`). Switches the model to kvsieve's attention
+    implementation (see :func:`use_kvsieve_attention`).
     """
     given = {"kv_bits": kv_bits, "group_size": group_size, "residual": residual}
     given = {key: value for key, value in given.items() if value is not None}
@@ -65,7 +68,16 @@ def make_cache(
         n_layers = layer_types(model).count("full_attention")
         weights = schedule_weights(schedule, n_layers, lambda: profile(model))
     cache = SieveCache.for_model(
-        model, cls, params, budget, weights, rolling=rolling, stream=stream, decode_budget=decode_budget, quant=quant
+        model,
+        cls,
+        params,
+        budget,
+        weights,
+        rolling=rolling,
+        stream=stream,
+        decode_budget=decode_budget,
+        quant=quant,
+        kernels=kernels,
     )
     use_kvsieve_attention(model)
     return cache

@@ -23,7 +23,6 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import sdpa_mask
 
 import kvsieve
-from kvsieve.engine import compiled
 from kvsieve.engine.storage import SlotStore
 from kvsieve.policies import REGISTRY, Observation, Slots
 
@@ -68,7 +67,6 @@ def record(model: PreTrainedModel, stream: Callable, monkeypatch, policy: str, *
     """Run ``policy`` at ``BUDGET`` on a padded batch of 2 through a prompt and ``STEPS`` decode steps, the policy's
     own code observing every step (the compiled decode steps do without ``observe``: they are switched off here and
     compared with it in ``test_compiled_scan``)."""
-    monkeypatch.setattr(compiled, "ENABLED", False)
     cls = REGISTRY[policy]
     calls: dict[int, list[Call]] = defaultdict(list)
     observe = cls.observe
@@ -79,7 +77,7 @@ def record(model: PreTrainedModel, stream: Callable, monkeypatch, policy: str, *
         observe(self, slots, obs)
 
     monkeypatch.setattr(cls, "observe", spy)
-    cache = kvsieve.make_cache(model, policy, BUDGET, **params)
+    cache = kvsieve.make_cache(model, policy, BUDGET, kernels="torch", **params)
     run, seen = Run(), defaultdict(int)
 
     def on_step() -> None:
@@ -200,9 +198,8 @@ def run_kept(model, policy: str, budget: int, prompt: torch.Tensor, steps: int, 
 
 
 def capture(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[tuple[int, torch.Tensor, Any]]:
-    """Record (layer id, slot positions, observation) of every ``observe`` call of ``cls`` (the compiled decode
-    steps, which do without it, switched off)."""
-    monkeypatch.setattr(compiled, "ENABLED", False)
+    """Record (layer id, slot positions, observation) of every ``observe`` call of ``cls`` (the compiled decode steps do
+    without it: make the caches with ``kernels="torch"``)."""
     calls: list[tuple[int, torch.Tensor, Any]] = []
     original = cls.observe
 

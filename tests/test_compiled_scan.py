@@ -42,9 +42,7 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
     fixed = compiled._fixed_priority
     monkeypatch.setattr(compiled, "_fixed_priority", lambda *args: runs.append(False) or fixed(*args))
     fast = _streamed(model, ids, policy, budget, mask, **kwargs)
-    monkeypatch.setattr(compiled, "ENABLED", False)
-    slow = _streamed(model, ids, policy, budget, mask, **kwargs)
-    monkeypatch.setattr(compiled, "ENABLED", True)
+    slow = _streamed(model, ids, policy, budget, mask, kernels="torch", **kwargs)
     return fast, slow, runs
 
 
@@ -256,9 +254,8 @@ def _generates_alike(model, make_ids, monkeypatch, policy: str, padded: bool) ->
     mask = torch.ones_like(ids)
     mask[1, :3] = 0 if padded else 1
     results = []
-    for enabled in (True, False):
-        monkeypatch.setattr(compiled, "ENABLED", enabled)
-        cache = kvsieve.make_cache(model, policy, 12)
+    for kernels in ("auto", "torch"):
+        cache = kvsieve.make_cache(model, policy, 12, kernels=kernels)
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=mask, cache=cache, max_new_tokens=30, do_sample=False, pad_token_id=0

@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, T5Config, T5ForConditionalGeneration
 
 import kvsieve
+from kvsieve.engine import compiled
 from kvsieve.engine import layer as layer_module
 from kvsieve.engine.scan import MAX_RUN, scan
 from kvsieve.engine.storage import expand_index
@@ -227,6 +228,15 @@ def test_prompt_buffers_are_freed(llama_gqa, stream, make_ids) -> None:
 def test_bad_budget(llama_gqa, budget, message) -> None:
     with pytest.raises(ValueError, match=message):
         kvsieve.make_cache(llama_gqa, "h2o", budget)
+
+
+def test_kernels_are_auto_or_torch(llama_gqa) -> None:
+    with pytest.raises(ValueError, match="kernels must be one of auto, torch, got 'numba'"):
+        kvsieve.make_cache(llama_gqa, "h2o", 8, kernels="numba")
+    torch_only = kvsieve.make_cache(llama_gqa, "h2o", 8, kernels="torch")
+    assert not any(layer.kernels for layer in torch_only.layers)
+    auto = kvsieve.make_cache(llama_gqa, "h2o", 8)
+    assert all(layer.kernels == (compiled.numba is not None) for layer in auto.layers)
 
 
 def test_unsupported_models() -> None:

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvsieve
-from kvsieve.engine import compiled
 from kvsieve.engine.quant import KVQuant, dequantize, kv_quant, quantize, recent
 from kvsieve.policies import REGISTRY, Policy, Slots
 
@@ -203,10 +202,9 @@ def test_bytes_are_codes_scales_and_residual(tiny_models, make_ids, bits, residu
 
 
 def test_policies_read_dequantized_slots_with_the_residual_exact(tiny_models, make_ids, monkeypatch) -> None:
-    monkeypatch.setattr(compiled, "ENABLED", False)  # (what the policy's own observe is handed)
     model = tiny_models("llama_gqa", torch.float64)
-    seen = []
-    cache = kvsieve.make_cache(model, "ahakv", 10, kv_bits=2, group_size=8, residual=3)
+    seen = []  # (what the policy's own observe is handed: the torch code only)
+    cache = kvsieve.make_cache(model, "ahakv", 10, kv_bits=2, group_size=8, residual=3, kernels="torch")
     layer = cache.layers[1]
     with torch.inference_mode():
         model(make_ids(1, 20), cache=cache)

@@ -19,7 +19,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvsieve
-from kvsieve.engine import compiled
 from kvsieve.policies import REGISTRY
 
 SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero"})
@@ -117,8 +116,9 @@ def _decode_steps(
     model: torch.nn.Module, policy: str, ids: torch.Tensor, steps: int
 ) -> tuple[list[Recorder], list[int], kvsieve.SieveCache]:
     """``steps`` recorded decode steps of ``policy`` after the prompt ``ids`` and three more steps, the data pointers
-    of the slot buffers before them, and the cache."""
-    cache = kvsieve.make_cache(model, policy, BUDGET)
+    of the slot buffers before them, and the cache; the policies' torch code only (the path of a GPU: the compiled
+    loops are CPU-only)."""
+    cache = kvsieve.make_cache(model, policy, BUDGET, kernels="torch")
     recorders = []
     with torch.inference_mode():
         token = model(ids, cache=cache).logits[:, -1:].argmax(-1)
@@ -136,7 +136,6 @@ def _decode_steps(
 def test_a_decode_step_at_the_budget_repeats_the_same_ops_with_no_host_sync(
     policy, llama_gqa, make_ids, monkeypatch
 ) -> None:
-    monkeypatch.setattr(compiled, "ENABLED", False)  # (the path of a GPU: the numba loops are CPU-only)
     steps, buffers, cache = _decode_steps(llama_gqa, policy, make_ids(2, 30), 2)
     assert steps[0].syncs == [], f"{policy}: host syncs in a decode step: {sorted(set(steps[0].syncs))}"
     assert steps[0].ops == steps[1].ops, f"{policy}: two decode steps at the budget dispatch different ops"
@@ -147,7 +146,6 @@ def test_a_decode_step_at_the_budget_repeats_the_same_ops_with_no_host_sync(
 def test_scissorhands_bulk_drops_repeat_every_m_steps_with_no_host_sync(llama_gqa, make_ids, monkeypatch) -> None:
     """Its cache goes ``B+1-m, ..., B+1`` slots (``m`` dropped at once): a cycle of ``m`` step shapes, each the same
     ops whenever it comes back, in the same buffers."""
-    monkeypatch.setattr(compiled, "ENABLED", False)
     drop = 3
     steps, buffers, cache = _decode_steps(llama_gqa, f"scissorhands:drop={drop}", make_ids(2, 30), 2 * drop)
     assert [s.syncs for s in steps] == [[]] * len(steps)

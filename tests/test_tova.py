@@ -13,7 +13,7 @@ from kvsieve.policies.tova import TOVA
 def test_tova_keeps_the_top_of_the_last_query(llama_gqa, stream, make_ids, monkeypatch, per_head) -> None:
     calls = capture(monkeypatch, TOVA)
     budget, steps = 7, 6
-    kept = run_kept(llama_gqa, "tova", budget, make_ids(2, 18), steps, stream, per_head=per_head)
+    kept = run_kept(llama_gqa, "tova", budget, make_ids(2, 18), steps, stream, kernels="torch", per_head=per_head)
     n_layers = len(kept[0])
     assert len(calls) == n_layers * (steps + 1)  # one block per step and layer
     for i, (_, pos, obs) in enumerate(calls):

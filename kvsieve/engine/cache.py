@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache
 
 from kvsieve.engine.attention import UnsupportedModelError
 from kvsieve.engine.budget import Budget
+from kvsieve.engine.compiled import use_kernels
 from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo
 from kvsieve.engine.quant import PLAIN, Codec, KVQuant
@@ -52,11 +53,19 @@ class SieveCache(Cache):
 
     layers: list[SieveLayer]
 
-    def __init__(self, plan: PolicyPlan, sliding: Sequence[bool], stream: bool = False, codec: Codec = PLAIN) -> None:
+    def __init__(
+        self,
+        plan: PolicyPlan,
+        sliding: Sequence[bool],
+        stream: bool = False,
+        codec: Codec = PLAIN,
+        kernels: str = "auto",
+    ) -> None:
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be True or False, got {stream!r}")
         self.memo = StepMemo()
-        super().__init__(layers=[SieveLayer(plan, self.memo, i, s, codec) for i, s in enumerate(sliding)])
+        fast = use_kernels(kernels)
+        super().__init__(layers=[SieveLayer(plan, self.memo, i, s, codec, fast) for i, s in enumerate(sliding)])
         self.plan = plan
         self.codec = codec
         for layer in self.layers:
@@ -75,10 +84,11 @@ class SieveCache(Cache):
         stream: bool = False,
         decode_budget: DecodeBudget = SAME,
         quant: KVQuant | None = None,
+        kernels: str = "auto",
     ) -> SieveCache:
         """A cache for ``model``'s layers: the policy (with a budget, and ``weights`` for a layer schedule) on the
-        full-attention layers, a window on the sliding ones, slots quantized as ``quant`` says (see
-        :func:`kvsieve.make_cache`)."""
+        full-attention layers, a window on the sliding ones, slots quantized as ``quant`` says, steps running the
+        ``kernels`` (see :func:`kvsieve.make_cache`)."""
         types = layer_types(model)
         config = model.config.get_text_config()
         window = getattr(config, "sliding_window", None)
@@ -92,7 +102,8 @@ class SieveCache(Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if quant is not None:
             quant.check(head_dim)
-        cache = cls(plan, [t == "sliding_attention" for t in types], stream=stream, codec=quant or PLAIN)
+        sliding = [t == "sliding_attention" for t in types]
+        cache = cls(plan, sliding, stream=stream, codec=quant or PLAIN, kernels=kernels)
         if rolling:
             cache.enable_rolling(Rotary.from_config(config))
         return cache

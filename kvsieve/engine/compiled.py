@@ -35,8 +35,9 @@ try:
 except ImportError:  # (the `fast` extra is not installed)
     numba = None
 
-ENABLED = numba is not None
-"""Whether scans and decode steps use the compiled loops where they can (tests switch it off to compare)."""
+KERNELS = ("auto", "torch")
+"""What a cache's steps may run (``make_cache(..., kernels=...)``): the compiled loops where a rule has one and numba
+is installed (``auto``), or the policies' torch code only (``torch``: the same decisions, the path of a GPU)."""
 _NO_ORDER = np.empty((0, 0, 0), dtype=np.int64)
 """What :func:`_decode_rule` gets for a rule without pooling (it reads no position order)."""
 _compiled = (lambda f: f) if numba is None else numba.njit(cache=True, nogil=True)
@@ -488,9 +489,16 @@ def compilations() -> int:
     return sum(sum(kernel.stats.cache_misses.values()) for kernel in kernels)
 
 
+def use_kernels(kernels: str) -> bool:
+    """Whether a cache made with ``kernels`` (one of :data:`KERNELS`) runs the compiled loops where they apply."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    return kernels == "auto" and numba is not None
+
+
 def decodes_by_rule(rule: ScanRule | None, device: torch.device) -> bool:
     """Whether :func:`compiled_decode` runs a decode step under ``rule`` on ``device``."""
-    return ENABLED and isinstance(rule, ScoreRule | LowMarks) and device.type == "cpu"
+    return isinstance(rule, ScoreRule | LowMarks) and device.type == "cpu"
 
 
 def compiled_decode(
@@ -554,7 +562,7 @@ def compiled_victims(
     score without pooling or a pattern to rank: the policy's priorities are then one or two ops, cheaper than the
     call) and the engine asks the policy. The victims are written into ``out`` (int64, on CPU) when given."""
     fixed = isinstance(rule, FixedPriority)
-    if not ENABLED or not (fixed or (isinstance(rule, ScoreRule) and (rule.pool or rule.kept.keep))):
+    if not (fixed or (isinstance(rule, ScoreRule) and (rule.pool or rule.kept.keep))):
         return None
     if slots.pos.device.type != "cpu":
         return None
@@ -586,7 +594,7 @@ def compiled_decide(
     the run; ``pos``, ``pads`` and the policy's state change in place. None when the loop does not apply (no rule,
     no numba, not on CPU, more than one token over the limit, padding under a rule that does not count it) and the
     torch scan decides."""
-    if not ENABLED or rule is None or pos.device.type != "cpu" or held > limit:
+    if rule is None or pos.device.type != "cpu" or held > limit:
         return None
     bsz, heads, n = pos.shape
     gone = torch.empty((bsz, heads, query_pos.shape[1], n), dtype=torch.bool)

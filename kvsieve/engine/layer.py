@@ -86,7 +86,13 @@ class SieveLayer(CacheLayerMixin):
     supports_early_init = False  # the policy (and its state) is known only at the first update
 
     def __init__(
-        self, plan: PolicyPlan, memo: StepMemo, layer_idx: int, is_sliding: bool = False, codec: Codec = PLAIN
+        self,
+        plan: PolicyPlan,
+        memo: StepMemo,
+        layer_idx: int,
+        is_sliding: bool = False,
+        codec: Codec = PLAIN,
+        kernels: bool = False,
     ) -> None:
         self.store: SlotStore | None = None
         self.codec = codec
@@ -94,6 +100,7 @@ class SieveLayer(CacheLayerMixin):
         self.plan, self.memo = plan, memo
         self.layer_idx = layer_idx
         self.is_sliding = is_sliding
+        self.kernels = kernels  # whether steps run the compiled loops where they apply (kvsieve.engine.compiled)
         self.policy: Policy | None = None
         self.newest: torch.Tensor | None = None  # [B] position of each row's newest real token (-1: none yet)
         self.tokens_seen = 0  # padding included: positions of the model are derived from it
@@ -433,7 +440,13 @@ class SieveLayer(CacheLayerMixin):
         weights = None
         observes = self.observes
         decided = victim = None
-        if observes and seen.all_visible and not (args.explicit or exact) and decodes_by_rule(policy.rule, keys.device):
+        if (
+            observes
+            and seen.all_visible
+            and not (args.explicit or exact)
+            and self.kernels
+            and decodes_by_rule(policy.rule, keys.device)
+        ):
             decided = self._decide_by_rule(query, keys, values, slots, args)
         if decided is not None:
             out, victim = decided
@@ -647,7 +660,8 @@ class SieveLayer(CacheLayerMixin):
         kept ``[B, H, target]``, in slot order."""
         if self.store.used - target == 1:
             out = self._victims_buffer(slots.pos) if self.plan.groups[self.layer_idx] is None else None
-            victims = compiled_victims(self.policy.rule, slots, self.store.may_hold_padding, out)
+            padded = self.store.may_hold_padding
+            victims = compiled_victims(self.policy.rule, slots, padded, out) if self.kernels else None
             return self._scores(slots).argmin(dim=-1, keepdim=True) if victims is None else victims
         scores = self._scores(slots)
         return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values

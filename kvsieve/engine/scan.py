@@ -183,7 +183,11 @@ def _decide(
     slots kept at the end ``[B, H, kept]`` in slot order (None: nothing was evicted, all are kept)."""
     policy, limit = layer.policy, layer.limit  # (scanned runs are bounded: the limit holds for the run)
     first = pos.shape[2] - query_pos.shape[1]
-    decided = compiled_decide(policy.rule, logits, pos, query_pos, lasts, pads, state, first, limit)
+    decided = (
+        compiled_decide(policy.rule, logits, pos, query_pos, lasts, pads, state, first, limit)
+        if layer.kernels
+        else None
+    )
     if decided is not None:  # (the same decisions in one compiled loop)
         gone, held = decided
         return gone, None if held == pos.shape[2] else _survivors(pos, pads, held)
