@@ -164,9 +164,11 @@ def _rows(obs: Observation, start: int, lo: int, hi: int, end: int, policy: Poli
     policy that observes every slot), a step of ``end`` rows. None when ``obs`` has none of those rows."""
     if lo >= hi:
         return None
-    rows = slice(lo - start, hi - start)
     cols = end if policy.observes_all_slots else min(obs.key_pos.shape[-1], end)
     have = obs.key_pos.shape[-1]
+    if lo == start and hi - start == obs.query_pos.shape[1] and cols == have and end == obs.step_rows:
+        return obs  # (all of it: the pass's slots are the cache's, positions and all)
+    rows = slice(lo - start, hi - start)
     probs, logits = obs.probs[:, :, rows, :cols], obs.logits[..., rows, :cols]
     if cols > have:  # (keys no row of the block sees: probability 0, logit -inf)
         probs = torch.nn.functional.pad(probs, (0, cols - have))
