@@ -146,7 +146,13 @@ def _ruler_cost(result: dict[str, Any]) -> str:
                 f"{g['prefill_s']:.1f} s, the agnostic settings' question parts {g['question_s']:.1f} s, the answers "
                 f"{g['answers_s']:.1f} s: **{g['total_s']:.1f} s**, against ≈ {g['alone_s']:.0f} s one setting at a "
                 f"time (the mean of the settings above × {g['settings']}), **{g['speedup']:.1f}× faster**; "
-                f"{g['correct']} of the {g['settings']} answers correct.\n"
+                f"{g['correct']} of the {g['settings']} answers correct"
+                + (
+                    f"; the settings timed alone answered the same together: {g['same_as_alone']}"
+                    if "same_as_alone" in g
+                    else ""
+                )
+                + ".\n"
             )
     return "\n".join(parts)
 

@@ -700,9 +700,11 @@ def _mib(value: float | None) -> str:
 
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     """The table's cells (one list per row, as ``COLUMNS``)."""
+    from kvsieve.ruler.scoring import plus_minus
+
     cells = []
     for row in rows:
-        score = {side: row[side] and f"{row[side]['score']:.1f} ± {row[side]['stderr']:.1f}" for side in SIDES}
+        score = {side: row[side] and plus_minus(row[side]["score"], row[side]["stderr"]) for side in SIDES}
         same = "—" if row["same_answer"] is None else f"{row['same_answer']:.0%} of {row['samples']}"
         ids = "same" if row["same_ids"] else "DIFFER"
         if not row["pipeline_ids"]:
@@ -728,6 +730,8 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 def markdown(result: dict[str, Any]) -> str:
     """The report: a header, then per task and length its table (and the full cache's score from the ruler run's
     cells, if any), then the answers that differ."""
+    from kvsieve.ruler.scoring import plus_minus
+
     versions = "; ".join(", ".join(f"{k} {v}" for k, v in result["versions"][s].items()) for s in SIDES)
     mode = "both sides at once" if result["parallel"] else "one side at a time"
     lines = [
@@ -741,7 +745,7 @@ def markdown(result: dict[str, Any]) -> str:
     for task, length in dict.fromkeys((r["task"], r["length"]) for r in rows):
         mine = [r for r in rows if (r["task"], r["length"]) == (task, length)]
         ceiling = result["full_cache"].get(f"{task}_{length}")
-        note = f"; full cache in the ruler run: {ceiling['score']:.1f} ± {ceiling['stderr']:.1f}" if ceiling else ""
+        note = f"; full cache in the ruler run: {plus_minus(ceiling['score'], ceiling['stderr'])}" if ceiling else ""
         n = max(r["samples"] for r in mine)
         lines += ["", f"## {task}, {length} tokens ({n} sample{'s' * (n != 1)}{note})", ""]
         lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

@@ -29,7 +29,7 @@ from kvsieve.ruler.run import (
     predict_together,
     run_ruler,
 )
-from kvsieve.ruler.scoring import mean_and_stderr, score
+from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, score
 from kvsieve.ruler.tasks import (
     NOISE,
     TASKS,
@@ -287,7 +287,8 @@ def test_mean_and_stderr_by_hand() -> None:
     assert mean == 50.0 and se == pytest.approx(100 * math.sqrt((1 / 3) / 4))
     mean, se = mean_and_stderr([1.0, 0.5, 0.0])  # variance 0.25, stderr sqrt(0.25 / 3)
     assert mean == pytest.approx(50.0) and se == pytest.approx(100 * math.sqrt(0.25 / 3))
-    assert mean_and_stderr([0.75]) == (75.0, 0.0)
+    assert mean_and_stderr([0.75]) == (75.0, None)  # (one score has no standard error)
+    assert plus_minus(75.0, None) == "75.0 ± –" and plus_minus(2 / 3 * 100, 4.21, 0) == "67 ± 4"
     with pytest.raises(ValueError, match="no scores"):
         mean_and_stderr([])
 

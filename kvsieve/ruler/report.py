@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.evaluation.plots import pyplot, save_figure
-from kvsieve.ruler.scoring import mean_and_stderr
+from kvsieve.ruler.scoring import mean_and_stderr, plus_minus
 
 __all__ = ["collect", "markdown", "summary", "write_report"]
 
@@ -67,7 +67,7 @@ def collect(out: str | Path) -> list[dict[str, Any]]:
                     "compression": settings["compression"],
                     "samples": len(predictions),
                     "score": round(mean, 2),
-                    "stderr": round(stderr, 2),
+                    "stderr": None if stderr is None else round(stderr, 2),
                     "first_token_s": round(sum(p["first_token_s"] for p in predictions) / len(predictions), 3),
                     "answer_s": round(sum(p["total_s"] for p in predictions) / len(predictions), 3),
                 }
@@ -75,9 +75,11 @@ def collect(out: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _average(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
-    """The mean of the rows' task scores and its standard error."""
+def _average(rows: Sequence[dict[str, Any]]) -> tuple[float, float | None]:
+    """The mean of the rows' task scores and its standard error (None if a task has none: one sample)."""
     mean = sum(r["score"] for r in rows) / len(rows)
+    if any(r["stderr"] is None for r in rows):
+        return mean, None
     return mean, math.sqrt(sum(r["stderr"] ** 2 for r in rows)) / len(rows)
 
 
@@ -138,8 +140,8 @@ def _sections(rows: Sequence[dict[str, Any]]) -> list[_Section]:
     return sections
 
 
-def _mean_text(average: tuple[float, float] | None) -> str:
-    return "–" if average is None else f"{average[0]:.1f} ± {average[1]:.1f}"
+def _mean_text(average: tuple[float, float | None] | None) -> str:
+    return "–" if average is None else plus_minus(*average)
 
 
 def summary(rows: Sequence[dict[str, Any]], level: int = 2) -> str:
@@ -158,8 +160,8 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
         lines += [f"{h} {length} tokens, the full cache (the ceiling)", ""]
         lines += ["| " + " | ".join(["task", *(r["task"] for r in full), "average"]) + " |"]
         lines += ["|---|" + "---:|" * (len(full) + 1)]
-        lines += ["| score % | " + " | ".join(f"{r['score']:.0f} ± {r['stderr']:.0f}" for r in full)]
-        lines[-1] += f" | {mean:.1f} ± {se:.1f} |"
+        lines += ["| score % | " + " | ".join(plus_minus(r["score"], r["stderr"], 0) for r in full)]
+        lines[-1] += f" | {plus_minus(mean, se)} |"
         lines += ["| samples | " + " | ".join(str(r["samples"]) for r in full) + " | |", ""]
     for sec in _sections(rows):
         lines += [f"{h} {sec.length} tokens, question-{sec.protocol}", ""]
@@ -167,9 +169,7 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
         lines += ["| policy | " + " | ".join(f"{c:g}" for c in sec.compressions) + " |"]
         lines += ["|---|" + "---:|" * len(sec.compressions)]
         if (ceiling := sec.average("full")) is not None:
-            lines += [
-                "| full (ceiling) | " + " | ".join(f"{ceiling[0]:.1f} ± {ceiling[1]:.1f}" for _ in sec.compressions)
-            ]
+            lines += ["| full (ceiling) | " + " | ".join(plus_minus(*ceiling) for _ in sec.compressions)]
             lines[-1] += " |"
         for policy in sec.policies:
             cells = [_mean_text(sec.average(policy, c)) for c in sec.compressions]
@@ -180,8 +180,7 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
             for policy in ["full", *sec.policies]:
                 by_task = sec.by_task(policy, c)
                 cells = [
-                    f"{by_task[t]['score']:.0f} ± {by_task[t]['stderr']:.0f}" if t in by_task else "–"
-                    for t in sec.tasks
+                    plus_minus(by_task[t]["score"], by_task[t]["stderr"], 0) if t in by_task else "–" for t in sec.tasks
                 ]
                 lines += [f"| {policy} | " + " | ".join(cells) + " |"]
         lines += [""]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["MATCH", "mean_and_stderr", "score"]
+__all__ = ["MATCH", "mean_and_stderr", "plus_minus", "score"]
 
 MATCH = {"qa": "part"}
 """Task → how its answers are matched (``all`` unless named here)."""
@@ -26,13 +26,19 @@ def score(task: str, prediction: str, answers: Sequence[str]) -> float:
     return float(any(found)) if MATCH.get(task, "all") == "part" else sum(found) / len(found)
 
 
-def mean_and_stderr(scores: Sequence[float]) -> tuple[float, float]:
-    """The mean of ``scores`` and its standard error (sample standard deviation / √n; 0 for one score), in percent."""
+def mean_and_stderr(scores: Sequence[float]) -> tuple[float, float | None]:
+    """The mean of ``scores`` and its standard error (sample standard deviation / √n; None for one score, which has
+    none), in percent."""
     if not scores:
         raise ValueError("no scores")
     n = len(scores)
     mean = sum(scores) / n
     if n == 1:
-        return 100 * mean, 0.0
+        return 100 * mean, None
     variance = sum((s - mean) ** 2 for s in scores) / (n - 1)
     return 100 * mean, 100 * math.sqrt(variance / n)
+
+
+def plus_minus(mean: float, stderr: float | None, digits: int = 1) -> str:
+    """``mean ± stderr`` to ``digits`` decimals; ``± –`` where there is no standard error (one sample)."""
+    return f"{mean:.{digits}f} ± " + ("–" if stderr is None else f"{stderr:.{digits}f}")
