@@ -18,12 +18,14 @@ import kvsieve.ruler.run as ruler_run
 from kvsieve.cli import main
 from kvsieve.data import load_articles
 from kvsieve.evaluation.tasks import squad_shifts
+from kvsieve.policies import REGISTRY
 from kvsieve.ruler.report import write_report
 from kvsieve.ruler.run import (
     FULL,
     GridSettings,
     Setting,
     answer,
+    default_policies,
     grid_settings,
     predict,
     predict_together,
@@ -310,6 +312,13 @@ def test_grid_is_full_once_then_protocol_policy_compression() -> None:
         0.25,
     )
     assert Setting("aware", "snapkv", 0.9).budget == 0.1
+
+
+def test_default_policies_are_those_that_share_the_prompt_pass() -> None:
+    """Every registered policy but those that narrow attention (topk_oracle: its prompt pass is its own); 113
+    settings at the default compressions under both protocols."""
+    assert default_policies() == [name for name in REGISTRY if name != "topk_oracle"]
+    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 113
 
 
 def test_a_policy_with_a_budget_but_no_bound_gets_its_own_settings() -> None:
