@@ -175,6 +175,21 @@ def test_text_stream_holds_back_a_possible_stop_string(tokenizer) -> None:
     assert stopped and "".join(pieces) == "Hello world, this is "
 
 
+def test_text_stream_looks_for_stop_strings_from_min_tokens_on(tokenizer) -> None:
+    """As vLLM: a stop string that ended before ``min_tokens`` tokens were out does not stop the text; the next does."""
+    ids = tokenizer("Hello world, this is the end. More text, the end again").input_ids
+    first = next(n for n in range(len(ids)) if "the end" in tokenizer.decode(ids[:n]))
+    for min_tokens, expected in ((0, "Hello world, this is "), (first + 1, "Hello world, this is the end. More text, ")):
+        text = TextStream(tokenizer, ["the end"], threading.Lock(), min_tokens)
+        pieces, stopped = [], False
+        for token in ids:
+            piece, stopped = text.push(token)
+            pieces.append(piece)
+            if stopped:
+                break
+        assert stopped and "".join(pieces) == expected, min_tokens
+
+
 @pytest.mark.parametrize(
     ("model_name", "policy", "budget", "tokens"),
     [

@@ -114,20 +114,27 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[
 class TextStream:
     """The text of the generated tokens, handed out in pieces: a piece never ends inside a character still being
     spelled by the next token (``\\ufffd``) nor with what may be the start of a stop string; the text ends before the
-    first stop string."""
+    first stop string. As vLLM, stop strings are looked for once ``min_tokens`` tokens are out: one that ended before
+    does not count (one that ends after does, wherever it began)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str], lock: threading.Lock) -> None:
-        self.tokenizer, self.stop, self.lock = tokenizer, stop, lock
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, stop: list[str], lock: threading.Lock, min_tokens: int = 0
+    ) -> None:
+        self.tokenizer, self.stop, self.lock, self.min_tokens = tokenizer, stop, lock, min_tokens
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0
+        self.before = 0  # the text's length when stop strings were last not looked for (before min_tokens)
 
     def push(self, token: int) -> tuple[str, bool]:
         """Add a generated token: the new text that is safe to send, and whether a stop string was reached."""
         self.ids.append(token)
         with self.lock:
             text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if len(self.ids) < self.min_tokens:
+            self.before, hits = len(text), []
+        else:
+            hits = [i for i in (text.find(s, max(0, self.before - len(s) + 1)) for s in self.stop) if i >= 0]
         if hits:
             self.text = text[: min(hits)]
             return self.flush(), True

@@ -273,7 +273,10 @@ class Scheduler:
         ends = frozenset(self.eos if stop_ids is None else stop_ids)
         text = functools.partial(TextStream, self.tokenizer, stop, self.tokenizer_lock)
         pairs = zip(samplers, emits, strict=True)
-        rows = [Job(prompt, spec, None, reserved, max_tokens, sampler, text(), emit) for sampler, emit in pairs]
+        rows = [
+            Job(prompt, spec, None, reserved, max_tokens, sampler, text(sampler.min_tokens), emit)
+            for sampler, emit in pairs
+        ]
         for row in rows:
             row.logprobs, row.echo, row.stop_ids = logprobs, echo, ends
             row.budget_tokens, row.rows = cache.budget_tokens, rows
