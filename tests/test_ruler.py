@@ -14,9 +14,11 @@ from collections import Counter
 import pytest
 import torch
 
+import kvsieve
 import kvsieve.ruler.run as ruler_run
 from kvsieve.cli import main
 from kvsieve.data import load_articles
+from kvsieve.engine.memory import reservation
 from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
 from kvsieve.ruler.report import write_report
@@ -30,6 +32,7 @@ from kvsieve.ruler.run import (
     predict,
     predict_together,
     run_ruler,
+    setting_groups,
 )
 from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, score
 from kvsieve.ruler.tasks import (
@@ -559,6 +562,22 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     assert list(answered) == shared + [s for s in settings if s.policy == "topk_oracle"]
     for setting, (text, n, *_) in zip(shared, got, strict=True):
         assert (answered[setting]["text"], answered[setting]["answer_tokens"]) == (text, n)
+    # Grouped by the memory their caches may hold: several prompt passes, the same answers.
+    assert setting_groups(model, shared, (head, tail), 6, None) == [shared]
+    assert setting_groups(model, shared, (head, tail), 6, 1) == [[s] for s in shared]  # (each needs more)
+    whole = sum(
+        reservation(model, kvsieve.make_cache(model, s.policy, s.budget), len(head) + len(tail), 6).peak for s in shared
+    )
+    groups = setting_groups(model, shared, (head, tail), 6, whole // 3)
+    assert 3 <= len(groups) < len(shared) and [s for group in groups for s in group] == shared
+    calls = []
+    together = ruler_run.predict_together
+    monkeypatch.setattr(ruler_run, "predict_together", lambda *a: calls.append(len(a[4])) or together(*a))
+    grouped = dict(answer(model, tok, sample, (head, tail), shared, kv_memory=whole // 3))
+    assert calls == [len(group) for group in groups]
+    assert {s: (a["text"], a["answer_tokens"]) for s, a in grouped.items()} == {
+        s: (answered[s]["text"], answered[s]["answer_tokens"]) for s in shared
+    }
 
 
 @pytest.mark.slow

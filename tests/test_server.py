@@ -18,9 +18,9 @@ import torch
 import uvicorn
 
 import kvsieve
+from kvsieve.engine.memory import reservation
 from kvsieve.server.app import build_app
 from kvsieve.server.decoding import TextStream
-from kvsieve.server.memory import reservation
 from kvsieve.server.scheduler import KVSpec
 
 NAME = "tiny"
@@ -179,7 +179,8 @@ def test_text_stream_looks_for_stop_strings_from_min_tokens_on(tokenizer) -> Non
     """As vLLM: a stop string that ended before ``min_tokens`` tokens were out does not stop the text; the next does."""
     ids = tokenizer("Hello world, this is the end. More text, the end again").input_ids
     first = next(n for n in range(len(ids)) if "the end" in tokenizer.decode(ids[:n]))
-    for min_tokens, expected in ((0, "Hello world, this is "), (first + 1, "Hello world, this is the end. More text, ")):
+    cases = ((0, "Hello world, this is "), (first + 1, "Hello world, this is the end. More text, "))
+    for min_tokens, expected in cases:
         text = TextStream(tokenizer, ["the end"], threading.Lock(), min_tokens)
         pieces, stopped = [], False
         for token in ids:

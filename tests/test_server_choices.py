@@ -14,7 +14,7 @@ import pytest
 from test_server import NAME, PROMPTS, client, kv_body, metric, serve, solo  # noqa: F401 (serve: the fixture)
 
 import kvsieve
-from kvsieve.server.memory import reservation
+from kvsieve.engine.memory import reservation
 
 
 @pytest.mark.parametrize(

@@ -377,6 +377,7 @@ def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
                 progress=not args.json,
                 ray=ray,
                 device=args.device,
+                kv_memory=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
             )
         except run.SamplesFailed as err:
             failed = err

@@ -350,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="the samples' seed (default 0)")
     p.add_argument("--file", help="a text file as the essay haystack (default: the built-in Wikipedia articles)")
     p.add_argument(
+        "--kv-memory-gb",
+        type=POSITIVE,
+        help="GiB the caches of a sample's settings answered with one prompt pass may hold (default: half the free "
+        "memory); more settings than fit take more passes",
+    )
+    p.add_argument(
         "--no-chat-template", action="store_true", help="plain prompts, even where the tokenizer has a chat template"
     )
     p.add_argument(

@@ -48,6 +48,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
 from kvsieve.api import eos_ids, generated, make_cache
+from kvsieve.engine.cache import SieveCache
+from kvsieve.engine.memory import available_memory, reservation
 from kvsieve.engine.shared import SharedPrompt, StackedRows
 from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.policies import REGISTRY, get_policy
@@ -69,6 +71,7 @@ __all__ = [
     "predict",
     "predict_together",
     "run_ruler",
+    "setting_groups",
     "sources",
 ]
 
@@ -210,9 +213,8 @@ def predict(
     device = model.device
     ids = torch.tensor([[*head, *tail]], device=device)
     start = time.perf_counter()
-    agnostic = setting.protocol == "agnostic" and setting.policy != "full"
-    growth = {"decode_budget": None} if agnostic else {}  # (agnostic: the question and answer never evicted)
-    cache = make_cache(model, setting.policy, setting.budget, **growth)
+    agnostic = _compresses_context(setting)
+    cache = _cache(model, setting)
     with torch.inference_mode():
         if agnostic:
             cache.resolve(len(head))
@@ -252,11 +254,8 @@ def predict_together(
     attention have a prompt pass of their own: :func:`predict` them."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
-    agnostic = [s.protocol == "agnostic" and s.policy != "full" for s in settings]
-    caches = [
-        make_cache(model, s.policy, s.budget, **({"decode_budget": None} if a else {}))
-        for s, a in zip(settings, agnostic, strict=True)
-    ]
+    agnostic = [_compresses_context(s) for s in settings]
+    caches = [_cache(model, s) for s in settings]
     eos = eos_ids(model, tokenizer)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -301,20 +300,69 @@ def predict_together(
     return out
 
 
+def _compresses_context(setting: Setting) -> bool:
+    """Whether ``setting`` compresses the context part alone (``agnostic``, a bounded policy), then grows."""
+    return setting.protocol == "agnostic" and setting.policy != "full"
+
+
+def _cache(model: PreTrainedModel, setting: Setting) -> SieveCache:
+    """The cache ``setting`` answers with (see the module docstring for the protocols)."""
+    growth = {"decode_budget": None} if _compresses_context(setting) else {}  # (agnostic: the answer never evicts)
+    return make_cache(model, setting.policy, setting.budget, **growth)
+
+
+def setting_groups(
+    model: PreTrainedModel,
+    settings: Sequence[Setting],
+    prompt: tuple[Sequence[int], Sequence[int]],
+    max_new_tokens: int,
+    kv_memory: int | None,
+) -> list[list[Setting]]:
+    """``settings`` in order, in groups whose caches hold together at most ``kv_memory`` bytes for ``prompt``
+    (context part, question part) and an answer of ``max_new_tokens`` (each cache's most,
+    :func:`~kvsieve.engine.memory.reservation`, its prompt pass's buffer included): :func:`answer` answers each
+    group with one prompt pass. A setting that needs more than ``kv_memory`` alone is a group of its own; None: one
+    group."""
+    if kv_memory is None:
+        return [list(settings)]
+    head, tail = prompt
+    groups: list[list[Setting]] = []
+    used = 0
+    for setting in settings:
+        context = _compresses_context(setting)
+        fed, more = (len(head), len(tail) + max_new_tokens) if context else (len(head) + len(tail), max_new_tokens)
+        need = reservation(model, _cache(model, setting), fed, more).peak
+        if not groups or used + need > kv_memory:
+            groups.append([])
+            used = 0
+        groups[-1].append(setting)
+        used += need
+    return groups
+
+
 def answer(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     sample: Sample,
     prompt: tuple[Sequence[int], Sequence[int]],
     settings: Sequence[Setting],
+    kv_memory: int | None = None,
 ) -> Iterator[tuple[Setting, dict[str, Any]]]:
     """``sample``'s answers to its ``prompt`` (context part, question part) under each of ``settings``, each as a
-    cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike. Every setting
-    whose policy does not narrow attention is answered at once (:func:`predict_together`), the others one by one
-    (:func:`predict`)."""
+    cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike. The settings
+    whose policy does not narrow attention are answered together (:func:`predict_together`), in groups whose caches
+    fit ``kv_memory`` bytes (:func:`setting_groups`; default: half the memory free on the model's device), the
+    others one by one (:func:`predict`)."""
     limit = max_new_tokens(sample.task)
     together = [s for s in settings if not get_policy(s.policy).narrows]
-    answers = predict_together(model, tokenizer, *prompt, together, limit) if together else []
+    if kv_memory is None:
+        free = available_memory(model.device)
+        kv_memory = None if free is None else free // 2
+    answers = [
+        predicted
+        for group in setting_groups(model, together, prompt, limit, kv_memory)
+        for predicted in predict_together(model, tokenizer, *prompt, group, limit)
+    ]
     alone = ((s, predict(model, tokenizer, *prompt, s, limit)) for s in settings if s not in together)
     for setting, (text, n, first, total_s) in (*zip(together, answers, strict=True), *alone):
         yield setting, asdict(Prediction(text, score(sample.task, text, sample.answers), n, first, total_s))
@@ -335,11 +383,12 @@ def _sample_task(
     sample: Sample,
     prompt: tuple[Sequence[int], Sequence[int]],
     settings: Sequence[Setting],
+    kv_memory: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """A Ray task: setting key → ``sample``'s answer (see :func:`answer`), on the grid's model."""
     torch.set_num_threads(threads)
     model, tokenizer = _worker_model(grid.model, grid.dtype, device)
-    return {setting.key: p for setting, p in answer(model, tokenizer, sample, prompt, settings)}
+    return {setting.key: p for setting, p in answer(model, tokenizer, sample, prompt, settings, kv_memory)}
 
 
 class SamplesFailed(RuntimeError):
@@ -419,12 +468,14 @@ def run_ruler(
     progress: bool = True,
     ray: RayOptions | None = None,
     device: str | None = None,
+    kv_memory: int | None = None,
 ) -> Path:
     """Answer every sample of every ``(task, length)`` under every setting not stored yet in ``out`` (see the module
     docstring); the directory. ``sources()`` gives what samples are made of, called once if samples are to be made
     (stored samples need none). ``ray``: answer the samples as Ray tasks on ``grid.model`` loaded on ``device`` by
     each worker (``model`` is unused, may be None); raises :class:`SamplesFailed` after the others are stored if
-    samples failed."""
+    samples failed. ``kv_memory``: the bytes the caches of a sample's settings answered together may hold (see
+    :func:`answer`; default: half the memory free on the model's device)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; tasks: {', '.join(TASKS)}")
@@ -459,12 +510,12 @@ def run_ruler(
         if ray is None:
             for sample, prompt, cells in units():
                 bar.set_postfix_str(f"{sample.task} {sample.length} #{sample.index}")
-                for setting, prediction in answer(model, tokenizer, sample, prompt, list(cells)):
+                for setting, prediction in answer(model, tokenizer, sample, prompt, list(cells), kv_memory):
                     cells[setting].predictions[sample.index] = prediction
                     cells[setting].write()
                     bar.update()
         else:
-            _answer_on_ray(list(units()), grid, device, ray, bar)
+            _answer_on_ray(list(units()), grid, device, ray, bar, kv_memory)
     return out
 
 
@@ -474,6 +525,7 @@ def _answer_on_ray(
     device: str | None,
     options: RayOptions,
     bar: tqdm,
+    kv_memory: int | None = None,
 ) -> None:
     """Each unit (sample, prompt, cells lacking it) as one Ray task; its answers written into its cells as it
     finishes; :class:`SamplesFailed` at the end if tasks failed."""
@@ -481,7 +533,7 @@ def _answer_on_ray(
 
     if not units:
         return  # (no Ray is started for a complete grid)
-    calls = [(grid, device, options.threads, sample, prompt, list(cells)) for sample, prompt, cells in units]
+    calls = [(grid, device, options.threads, sample, prompt, list(cells), kv_memory) for sample, prompt, cells in units]
     failed: list[tuple[Sample, BaseException]] = []
 
     def running(n: int) -> None:

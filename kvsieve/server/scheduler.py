@@ -18,7 +18,7 @@ Before serving, :meth:`Scheduler.warm_up` runs the default policy once over a pr
 compiling kernels and first-use allocations are not paid by the first request; a step that compiles anyway (another
 policy's first use) counts its kernels in ``kvsieve_kernels_compiled`` and leaves the decode rate as it was.
 
-Admission: a request's bytes are known before it runs (:mod:`kvsieve.server.memory`). Requests are admitted in
+Admission: a request's bytes are known before it runs (:mod:`kvsieve.engine.memory`). Requests are admitted in
 arrival order while the reservations of the running ones plus the next one's peak (times its rows: all or none)
 stay within the cap and at most ``max_batch`` rows run; the others wait in a bounded queue; past it,
 :class:`Overloaded` (HTTP 429).
@@ -42,10 +42,10 @@ from kvsieve.api import eos_ids, make_cache
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.compiled import compilations
+from kvsieve.engine.memory import Reservation, reservation
 from kvsieve.evaluation.compare import greedy_continue
 from kvsieve.policies import get_policy, resolve_spec
 from kvsieve.server.decoding import Sampler, TextStream, TokenLogprob, token_logprobs
-from kvsieve.server.memory import Reservation, reservation
 from kvsieve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)

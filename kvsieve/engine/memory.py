@@ -1,4 +1,5 @@
-"""A request's cache memory, known before it runs: what the server admits requests against.
+"""A cache's memory, known before it runs (what the server admits requests against, what a RULER sample's settings
+are grouped by), and the memory free for it.
 
 A request runs alone in its own :class:`~kvsieve.engine.cache.SieveCache` (batch 1). Each layer allocates slots
 of ``kv_heads × (2 × head_dim × dtype bytes + 8 + policy state bytes)``: the keys and values (quantized slots: their
@@ -77,3 +78,16 @@ def final_capacity(prompt_tokens: int, fed: int, limit: int | float) -> int:
         if needed > capacity:
             capacity = grown_capacity(needed, limit)
     return capacity if fed < limit else int(limit)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device``: a GPU's free memory, the host's available memory (Linux's
+    ``MemAvailable``); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
