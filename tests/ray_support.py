@@ -27,6 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kvsieve.engine.memory import available_memory
+
 FAULTS = "KVSIEVE_TEST_FAULTS"
 TIMEOUT_S = 60
 
@@ -171,13 +175,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+OBJECT_STORE_BYTES = 128 * 2**20
+"""A local Ray's object store in these tests (Ray's minimum is 75 MiB)."""
+
+
+def _object_store_share() -> str:
+    """The share of the available memory Ray gives its object store by default, set so that it is about
+    :data:`OBJECT_STORE_BYTES` whatever else holds memory on the machine."""
+    free = available_memory(torch.device("cpu")) or 24 * 2**30
+    return f"{min(0.3, OBJECT_STORE_BYTES / free):.6f}"
+
+
 def in_loopback(argv: list[str], timeout: float = TIMEOUT_S * 10) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` in a loopback-only network namespace; whatever it started is killed at the end, also on failure."""
     tests = str(Path(__file__).parent)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])),
-        "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.005",  # (a local Ray: ~120 MB of object store)
+        "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": _object_store_share(),
         "RAY_AUTH_MODE": "disabled",  # (one namespace, nothing else can reach it)
         "RAY_USAGE_STATS_ENABLED": "0",
     }
