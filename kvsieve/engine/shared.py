@@ -125,13 +125,15 @@ class _SharedLayer(_Together):
             self.discard_step()
             raise ValueError(refused)
         self.pending = None
-        views = [sub.store_prompt() for sub in self.subs]
-        watchers = []  # (policy, its slots, its end, its first observed row)
-        for sub, view, end in zip(self.subs, views, self.ends, strict=True):
-            if sub.observes:
-                end = q if end is None else end
-                rows = sub.policy.observed_rows()
-                watchers.append((sub.policy, view, end, 0 if rows is None else max(0, end - rows)))
+        watchers = []  # (layer, its slots, its end, its first observed row)
+        for sub, end in zip(self.subs, self.ends, strict=True):
+            view = sub.store_prompt()
+            if not sub.observes:  # (it evicts now: its prompt-sized buffer is not held through the attention)
+                sub.close_prompt(view)
+                continue
+            end = q if end is None else end
+            rows = sub.policy.observed_rows()
+            watchers.append((sub, view, end, 0 if rows is None else max(0, end - rows)))
         positions = torch.arange(q, device=keys.device)
         key_pos, query_pos = positions.expand(bsz, heads, q), positions.expand(bsz, q)
         seen = Visibility(causal_tail=True)
@@ -146,14 +148,14 @@ class _SharedLayer(_Together):
             def observe(obs: Observation) -> None:
                 nonlocal done
                 start, done = done, done + obs.query_pos.shape[1]
-                for policy, view, end, first in watchers:
-                    part = _rows(obs, start, max(first, start), min(end, done), end, policy, view)
+                for sub, view, end, first in watchers:
+                    part = _rows(obs, start, max(first, start), min(end, done), end, sub.policy, view)
                     if part is not None:
-                        policy.observe(view.prefix(part.key_pos.shape[-1]), part)
+                        sub.policy.observe(view.prefix(part.key_pos.shape[-1]), part)
 
             late = (query[:, :, head:], keys, values, key_pos, query_pos[:, head:], args, seen)
             outs.append(observed_attention(*late, observe, step_rows=q)[0])
-        for sub, view in zip(self.subs, views, strict=True):
+        for sub, view, *_ in watchers:
             sub.close_prompt(view)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), None
 
