@@ -7,7 +7,8 @@ It starts ``kvsieve serve`` on a free port of 127.0.0.1 (a subprocess; stopped a
 ``--requests`` requests (fewer if ``--seconds`` runs out first) from ``--concurrency`` clients (asyncio + httpx),
 drawn with ``--seed``: ``/v1/completions`` (token ids) and, if the model has a chat template,
 ``/v1/chat/completions`` (text); the ``--policies`` with budgets in tokens and ratios (``full``: none); prompts of
-log-uniform lengths up to the model's window, cut from the built-in Wikipedia text; greedy or seeded sampling;
+log-uniform lengths up to ``--typical`` tokens, a ``--long`` fraction of them up to the model's window (a long
+prompt's prefill takes a 2-core CPU a minute), cut from the built-in Wikipedia text; greedy or seeded sampling;
 streamed or not; ``n`` of 2 or 3 (``--multiple``); streams closed after a few chunks (``--disconnect``); malformed
 bodies (``--malformed``: broken JSON, unknown fields, out-of-range values, an unknown policy or model...). Every
 second it reads ``/metrics``, ``/health`` and the server's RSS (``VmRSS`` of ``/proc/PID/status``). Last, it starts
@@ -71,6 +72,7 @@ class Plan:
     body: dict[str, Any] | bytes
     malformed: str | None = None
     disconnect: int | None = None
+    prompt_tokens: int = 0
 
     @property
     def choices(self) -> int:
@@ -91,6 +93,7 @@ class Outcome:
     error: str = ""
     malformed: str | None = None
     choices: int = 1
+    prompt_tokens: int = 0
 
 
 def malformed_bodies(model: str, window: int) -> list[tuple[str, str, dict[str, Any] | bytes]]:
@@ -139,7 +142,8 @@ class Mix:
             if policy.startswith("streaming_llm") and not isinstance(budget, int):  # (its 4 sink tokens must fit)
                 shortest = math.ceil(8 / (float(budget.rstrip("%")) / 100 if isinstance(budget, str) else budget))
         room = self.window - max_tokens - CHAT_MARGIN
-        length = round(math.exp(rng.uniform(math.log(shortest), math.log(room))))  # (log-uniform up to the window)
+        top = max(shortest, room if rng.random() < args.long else min(room, args.typical))
+        length = round(math.exp(rng.uniform(math.log(shortest), math.log(top))))  # (log-uniform)
         if rng.random() < 0.5:
             body.update(temperature=0.8, top_p=0.95, seed=rng.randrange(2**31))
         else:
@@ -160,7 +164,7 @@ class Mix:
             body.update(stream=True, stream_options={"include_usage": True})
             if rng.random() < args.disconnect:
                 disconnect = rng.randint(1, 3)
-        return Plan(path, body, disconnect=disconnect)
+        return Plan(path, body, disconnect=disconnect, prompt_tokens=length)
 
 
 def refusal(plan: Plan, response: httpx.Response, started: float) -> Outcome:
@@ -301,7 +305,7 @@ async def load(base: str, mix: Mix, args: argparse.Namespace, pid: int) -> tuple
                 break
             plan = mix.plan()
             outcome = await send(http, plan)
-            outcome.choices = plan.choices
+            outcome.choices, outcome.prompt_tokens = plan.choices, plan.prompt_tokens
             outcomes.append(outcome)
 
     limits = httpx.Limits(max_connections=args.concurrency + 2)
@@ -434,6 +438,11 @@ def report(
             "requests_per_s": round(len(ok) / seconds, 3),
             "tokens_per_s": round(sum(o.tokens for o in ok) / seconds, 2),
         },
+        "prompt_tokens": {
+            **percentiles([float(o.prompt_tokens) for o in valid]),
+            "max": max((o.prompt_tokens for o in valid), default=0),
+            "over_2048": sum(o.prompt_tokens > 2048 for o in valid),
+        },
         "latency_s": percentiles([o.seconds for o in ok]),
         "first_chunk_s": percentiles([o.first for o in ok if o.first is not None]),
         "rss_mib": rss,
@@ -507,6 +516,8 @@ def summary(result: dict[str, Any]) -> str:
     t, rss, kv = result["throughput"], result["rss_mib"], result["kv_bytes"]
     lines = [
         f"requests: {result['requests']['sent']} in {t['seconds']} s ({result['requests']['by_result']})",
+        f"prompt tokens: p50 {result['prompt_tokens']['p50']}, max {result['prompt_tokens']['max']}, "
+        f"{result['prompt_tokens']['over_2048']} over 2,048",
         f"throughput: {t['requests_per_s']} requests/s, {t['tokens_per_s']} tokens/s",
         f"latency p50/p99: {result['latency_s']['p50']} / {result['latency_s']['p99']} s; first chunk "
         f"{result['first_chunk_s']['p50']} / {result['first_chunk_s']['p99']} s",
@@ -527,6 +538,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=2000, help="requests to send (default 2000)")
     p.add_argument("--seconds", type=float, help="stop sending after this many seconds (default: no limit)")
     p.add_argument("--concurrency", type=int, default=16, help="clients sending at once (default 16)")
+    p.add_argument("--typical", type=int, default=512, help="the longest typical prompt in tokens (default 512)")
+    p.add_argument("--long", type=float, default=0.03, help="fraction of prompts up to the window (default 0.03)")
     p.add_argument("--max-tokens", type=int, default=64, help="the most tokens a request asks for (default 64)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), help="(default: %(default)s)")
     p.add_argument("--malformed", type=float, default=0.1, help="fraction of malformed bodies (default 0.1)")

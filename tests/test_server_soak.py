@@ -37,6 +37,7 @@ def test_a_short_soak_accounts_for_every_request_and_drains_on_sigterm(soak, tin
     results = requests["by_result"]
     assert results["ok"] > 0 and results["refused"] == requests["malformed"] > 0 and results["disconnected"] > 0
     assert requests["several_choices"] > 0 and requests["streamed"] > 0
+    assert 0 < report["prompt_tokens"]["p50"] <= report["prompt_tokens"]["max"] <= 2048  # (the tiny model's window)
     checks = report["checks"]
     assert checks.pop("rss_flat") is None  # (a run this short is not judged)
     assert all(checks.values()) and report["ok"], checks
@@ -76,3 +77,15 @@ def test_an_answer_missing_a_choice_or_its_end_fails(soak) -> None:
     assert soak.answered(plan, {"choices": both[:1], "usage": usage}, 0.0).result == "failed"
     unfinished = [both[0], {"index": 1, "finish_reason": None}]
     assert soak.answered(plan, {"choices": unfinished, "usage": usage}, 0.0).result == "failed"
+
+
+@pytest.mark.parametrize("long", [0.0, 0.5])
+def test_prompts_are_typical_but_for_the_long_fraction(soak, long) -> None:
+    """Prompts are at most ``--typical`` tokens long but for the ``--long`` fraction, drawn up to the window less the
+    completion and the chat margin."""
+    args = soak.parse(["--typical", "100", "--long", str(long), "--malformed", "0", "--policies", "full"])
+    mix = soak.Mix(args, "m", 4096, list(range(8192)), "x" * 40000, chat=False)
+    lengths = [mix.plan().prompt_tokens for _ in range(400)]
+    assert min(lengths) >= 8 and max(lengths) <= 4096 - args.max_tokens - soak.CHAT_MARGIN
+    long_ones = sum(length > 100 for length in lengths)
+    assert long_ones == 0 if long == 0 else 100 < long_ones < 300
