@@ -9,7 +9,7 @@ import torch
 
 import kvsieve
 from kvsieve.engine import compiled
-from kvsieve.engine.layer import SieveLayer
+from kvsieve.engine import step as step_module
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV
 from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScoreRule, Slots, demote
@@ -330,7 +330,7 @@ def test_snapkv_decode_steps_keep_the_same_tokens_with_the_order_kept_or_sorted(
     kept = []
     for keep_order in (True, False):
         if not keep_order:
-            monkeypatch.setattr(SieveLayer, "_ranked_buffer", lambda layer, pos: torch.full(pos.shape, -1))
+            monkeypatch.setattr(step_module, "ranked_buffer", lambda layer, pos: torch.full(pos.shape, -1))
         cache = kvsieve.make_cache(llama_gqa, "snapkv", 12, window=4)
         with torch.inference_mode():
             token = llama_gqa(make_ids(2, 30), cache=cache).logits[:, -1:].argmax(-1)

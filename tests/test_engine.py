@@ -11,7 +11,9 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, T5Config, T5ForC
 
 import kvsieve
 from kvsieve.engine import compiled
+from kvsieve.engine import eviction as eviction_module
 from kvsieve.engine import layer as layer_module
+from kvsieve.engine import step as step_module
 from kvsieve.engine.scan import MAX_RUN, scan
 from kvsieve.engine.storage import expand_index
 from kvsieve.engine.stream import chunk_positions
@@ -112,7 +114,7 @@ def test_each_step_computes_its_positions_once_for_all_layers(gemma3, stream, ma
             cache.memo.share = lambda what, stamp, make: make()
         runs.append(stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask))
     assert torch.equal(runs[0], runs[1])
-    monkeypatch.setattr(layer_module, "chunk_positions", counted)
+    monkeypatch.setattr(step_module, "chunk_positions", counted)
     cache = kvsieve.make_cache(gemma3, "h2o", 9)
     stream(gemma3, cache, make_ids(2, 20), 5, attention_mask=mask)
     assert len(cache.layers) > 1 and len(calls) == 6  # the prompt, then each token: once for all layers
@@ -138,7 +140,7 @@ def test_a_shared_victim_is_expanded_once_for_all_layers(llama_gqa, stream, make
         stream(llama_gqa, cache, make_ids(2, 20), steps)
         kept.append([cache.positions(i).sort(dim=-1).values for i in range(len(cache.layers))])
     assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
-    monkeypatch.setattr(layer_module, "expand_index", counted)
+    monkeypatch.setattr(eviction_module, "expand_index", counted)
     cache = kvsieve.make_cache(llama_gqa, policy, 9, **params)
     stream(llama_gqa, cache, make_ids(2, 20), steps)
     expansions = calls.count(4)  # (positions are 3-D: their index is the victim itself)

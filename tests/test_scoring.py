@@ -9,7 +9,6 @@ import torch
 
 import kvsieve
 from kvsieve.engine import layer as layer_module
-from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.scan import scan
 from kvsieve.engine.stream import plan_chunks
 from kvsieve.evaluation.perplexity import context_perplexity, stream_logits, stream_perplexity
@@ -50,7 +49,7 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
         decode = torch.cat([llama_gqa(ids[:, i : i + 1], cache=cache).logits for i in range(40)], dim=1)
         kept = [cache.positions(i).sort(-1).values for i in range(len(cache.layers))]
         steps = []
-        monkeypatch.setattr(SieveLayer, "_step", _counting(SieveLayer._step, steps))
+        monkeypatch.setattr(layer_module, "run_step", _counting(layer_module.run_step, steps))
         monkeypatch.setattr(layer_module, "scan", _counting(layer_module.scan, steps, scanned=True))
         cache = kvsieve.make_cache(llama_gqa, policy, 16, stream=True)
         whole = llama_gqa(ids, cache=cache).logits

@@ -22,6 +22,7 @@ from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo
 from kvsieve.engine.quant import PLAIN, Codec, KVQuant
 from kvsieve.engine.rope import Rotary
+from kvsieve.engine.saved import export_layer, restore_layer
 from kvsieve.policies import NoParams, Policy
 from kvsieve.policies.local import Local
 
@@ -175,7 +176,7 @@ class SieveCache(Cache):
         (:meth:`restore` takes them back into a cache made alike)."""
         tensors, counters = {}, []
         for i, layer in enumerate(self.layers):
-            held, counted = layer.export()
+            held, counted = export_layer(layer)
             tensors.update({f"layers.{i}.{name}": t for name, t in held.items()})
             counters.append(counted)
         return tensors, counters
@@ -188,7 +189,7 @@ class SieveCache(Cache):
         for i, (layer, counted) in enumerate(zip(self.layers, counters, strict=True)):
             prefix = f"layers.{i}."
             held = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
-            layer.restore(held, counted, prompt_len)
+            restore_layer(layer, held, counted, prompt_len)
 
     @property
     def stream(self) -> bool:

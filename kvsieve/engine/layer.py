@@ -1,4 +1,5 @@
-"""One layer of a :class:`~kvsieve.engine.cache.SieveCache`: the step that runs at every forward pass.
+"""One layer of a :class:`~kvsieve.engine.cache.SieveCache`: transformers' layer contract, and the step that runs
+at every forward pass cut into chunks.
 
 A step (one forward pass of ``q`` tokens through a layer) is:
 
@@ -6,76 +7,35 @@ A step (one forward pass of ``q`` tokens through a layer) is:
    :class:`~kvsieve.engine.attention.SieveMask` (the padding mask and the layer's window), not a dense one;
 2. ``update`` takes the new K/V and hands the layer over to the attention function;
 3. ``attend`` (called by the attention function once it has checked every argument the model passes) cuts the
-   step into chunks (:mod:`kvsieve.engine.stream`; one, but for the stream protocol), and for each: **store** the
-   tokens in the layer's slots (:mod:`kvsieve.engine.storage`) with their positions from the padding mask,
-   **attend** over the slots (:mod:`kvsieve.engine.slot_attention`), let the policy **observe** the probabilities
-   (only if it asks for them), **evict** down to the policy's ``n_keep``: at a decode step the victim's slot goes
-   stale and the next token is written into it (no copy of the cache); several victims are removed by one gather
-   into buffers of ``budget + 1`` slots, which frees the prompt-sized ones.
+   step into chunks (:mod:`kvsieve.engine.stream`; one, but for the stream protocol), and runs each
+   (:func:`~kvsieve.engine.step.run_step`: store → attend → observe → evict, :mod:`kvsieve.engine.eviction`), or a
+   run of single tokens at once (:mod:`kvsieve.engine.scan`).
 
-Speculative decoding (assisted generation, prompt lookup): ``activate_past_recording`` makes the layer feed the
-tokens after a prompt one at a time, as decode steps, and keep them with the state before the first of them, until
-``crop`` commits them or rolls the rejected ones back exactly (state restored, the accepted tokens fed again).
+Speculative decoding records and rolls back in :mod:`kvsieve.engine.recording`; saved contexts export and restore
+a layer with :mod:`kvsieve.engine.saved`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from itertools import pairwise
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvsieve.engine.attention import SieveMask, UnsupportedModelError, claim_mask, hand_over
-from kvsieve.engine.compiled import compiled_decode, compiled_victims, decodes_by_rule
+from kvsieve.engine.eviction import evict
 from kvsieve.engine.plan import PolicyPlan, StepMemo
-from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, past
-from kvsieve.engine.rope import Rotary, ranks
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant
+from kvsieve.engine.recording import Recording, record, roll_back
+from kvsieve.engine.rope import Rotary
 from kvsieve.engine.scan import run_length, scan, scannable
-from kvsieve.engine.slot_attention import (
-    AttentionArgs,
-    Exact,
-    Visibility,
-    decided_attention,
-    fused_attention,
-    observed_attention,
-)
-from kvsieve.engine.storage import SlotStore, expand_index
-from kvsieve.engine.stream import chunk_positions, plan_chunks
+from kvsieve.engine.slot_attention import AttentionArgs
+from kvsieve.engine.step import Chunk, columns_of, run_step, store_chunk
+from kvsieve.engine.storage import SlotStore
+from kvsieve.engine.stream import plan_chunks
 from kvsieve.policies import Policy, Slots
-from kvsieve.policies.base import ScoreRule, demote
-
-T = TypeVar("T")
-
-
-@dataclass
-class Chunk:
-    """Tokens of a step: queries ``[B, Hq, c, D]``, keys and values ``[B, H, c, D]``, validity ``[B, c]``."""
-
-    query: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    padding: torch.Tensor | None
-
-    def __getitem__(self, span: slice) -> Chunk:
-        return Chunk(
-            self.query[:, :, span],
-            self.keys[:, :, span],
-            self.values[:, :, span],
-            None if self.padding is None else self.padding[:, span],
-        )
-
-
-@dataclass
-class Recording:
-    """A recording layer's state before its recorded tokens, and those tokens (see :meth:`SieveLayer.crop`)."""
-
-    store: SlotStore
-    newest: torch.Tensor
-    tokens_seen: int
-    tokens: list[tuple[Chunk, AttentionArgs]] = field(default_factory=list)
 
 
 class SieveLayer(CacheLayerMixin):
@@ -152,9 +112,7 @@ class SieveLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         if isinstance(self.codec, KVQuant):
             self.codec.check(key_states.shape[-1])
-        self.store = SlotStore.empty(
-            key_states, value_states, self.policy.state_spec(), self._store_limit(), self.codec
-        )
+        self.store = SlotStore.empty(key_states, value_states, self.policy.state_spec(), self.store_limit(), self.codec)
         self.newest = torch.full((key_states.shape[0],), -1, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
@@ -235,88 +193,8 @@ class SieveLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens fed since recording began or since the last ``crop``,
-        exactly: the layer returns to its state before the recorded tokens and feeds the tokens that stay again, as
-        it fed them (what their steps evicted is therefore back). ``crop(0)`` commits the recorded tokens."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop({tokens_to_remove}): pass minus the number of tokens to remove (transformers' convention)"
-            )
-        recording, tokens = self.recording, -tokens_to_remove
-        recorded = 0 if recording is None else len(recording.tokens)
-        if tokens > recorded:
-            raise ValueError(
-                f"cannot remove the last {tokens} tokens of layer {self.layer_idx}: kvsieve rolls back only the "
-                f"{recorded} token(s) fed after a prompt since cache.activate_past_recording() (transformers calls it "
-                "for assisted generation and prompt lookup) or since the last crop"
-            )
-        self.recording = None
-        if tokens == 0:
-            return
-        replay = recording.tokens[: recorded - tokens]
-        self.store, self.newest = recording.store, recording.newest
-        self.tokens_seen = recording.tokens_seen + len(replay)
-        for offset, (chunk, args) in enumerate(replay):
-            self._step(chunk, args, offset=offset)
-
-    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The layer's held tokens (keys, values, positions, policy state: the slots in use only) and newest
-        positions as tensors, and its counters, for :meth:`restore` (saved contexts)."""
-        if self.store is None:
-            raise ValueError(f"layer {self.layer_idx} holds nothing yet")
-        store = self.store
-        store.code_pending()  # (saved codes are complete: a restored layer starts with every token coded)
-        if store.stale is not None:
-            store = store.copy()
-            store.compact()
-        n = store.used
-        residual = {} if store.residual is None else {"residual": store.residual.kv}
-        tensors = {
-            **{name: t[:, :, :n] for name, t in store.kv.items()},
-            **residual,
-            "positions": store.positions[:, :, :n],
-            "newest": self.newest.clone(),  # (layers share it)
-            **{f"state.{name}": t[:, :, :n] for name, t in store.state.items()},
-        }
-        counters = {
-            "tokens_seen": self.tokens_seen,
-            "eviction_rounds": self.eviction_rounds,
-            "may_hold_padding": store.may_hold_padding,
-            "decoding": self.decoding,
-            "dtype": str(store.dtype).removeprefix("torch."),
-        }
-        return {name: t.contiguous() for name, t in tensors.items()}, counters
-
-    def restore(self, tensors: dict[str, torch.Tensor], counters: dict[str, Any], prompt_len: int) -> None:
-        """Hold what :meth:`export` gave (the policy resolved against a prompt of ``prompt_len`` tokens)."""
-        self.reset()
-        self.policy = self.plan.resolve(prompt_len)[self.layer_idx]
-        codec = self.codec
-        residual = ("residual",) if codec.residual else ()
-        needed = {*codec.names(), *residual, "positions", "newest"} | {f"state.{n}" for n in self.policy.state_spec()}
-        missing = [name for name in sorted(needed) if name not in tensors]
-        if missing:
-            raise ValueError(
-                f"layer {self.layer_idx} misses {', '.join(missing)} for policy {self.policy.name} with {codec}"
-            )
-        positions = tensors["positions"]
-        self.device = positions.device
-        self.dtype = getattr(torch, counters["dtype"]) if "dtype" in counters else tensors["keys"].dtype
-        self.decoding = bool(counters["decoding"])
-        self.store = SlotStore(
-            kv={name: tensors[name] for name in codec.names()},
-            positions=positions,
-            state={name: tensors[f"state.{name}"] for name in self.policy.state_spec()},
-            limit=self._store_limit(),
-            used=positions.shape[2],
-            may_hold_padding=bool(counters["may_hold_padding"]),
-            codec=codec,
-            residual=Residual(tensors["residual"], codec.residual, past(positions)) if residual else None,
-            dtype=self.dtype,
-        )
-        self.newest = tensors["newest"]
-        self.tokens_seen = int(counters["tokens_seen"])
-        self.eviction_rounds = int(counters["eviction_rounds"])
-        self.is_initialized = True
+        exactly (:func:`~kvsieve.engine.recording.roll_back`); ``crop(0)`` commits the recorded tokens."""
+        roll_back(self, tokens_to_remove)
 
     # -- the step -----------------------------------------------------------------------------------------------
 
@@ -346,14 +224,14 @@ class SieveLayer(CacheLayerMixin):
         # The step's first tokens that are a prompt: all of a first step, unless set_prompt_length said fewer.
         prompt = (q if self.prompt_tokens is None else min(self.prompt_tokens, q)) if self.tokens_seen == q else 0
         self.prompt_tokens = None
-        self._enter_phase(decoding=prompt == 0)
+        self.enter_phase(decoding=prompt == 0)
         padding = mask.new_tokens(q)
         step = Chunk(query, new_keys, new_values, None if padding is None else padding.to(self.device))
-        columns = self._columns(mask.padding) if args.weights else None
+        columns = columns_of(self, mask.padding) if args.weights else None
         if q == 1 and not self.record_past:  # (a decode step: one chunk, nothing to plan)
             self.recording = None
-            out = self._step(step, args, columns=columns)
-            self._enter_phase(decoding=True)  # (a one-token prompt is done)
+            out = run_step(self, step, args, columns=columns)
+            self.enter_phase(decoding=True)  # (a one-token prompt is done)
             return out
         chunks = plan_chunks(
             q,
@@ -371,7 +249,7 @@ class SieveLayer(CacheLayerMixin):
         while i < len(pairs):
             start, end = pairs[i]
             if start >= prompt:
-                self._enter_phase(decoding=True)
+                self.enter_phase(decoding=True)
             run = self._run(pairs, i, step, args)
             if run > 1:  # single tokens, scanned together
                 end = pairs[i + run - 1][1]
@@ -380,12 +258,10 @@ class SieveLayer(CacheLayerMixin):
                 continue
             chunk = step if len(chunks.bounds) == 2 else step[start:end]  # (a decode step: no slicing)
             if self.record_past and start >= prompt:  # (a single token: see plan_chunks)
-                if self.recording is None:
-                    self.recording = Recording(self.store.copy(), self.newest.clone(), self.tokens_seen - q + start)
-                self.recording.tokens.append((chunk, args))
-            outputs.append(self._step(chunk, args, chunks.closed_form, start, columns))
+                record(self, chunk, args, self.tokens_seen - q + start)
+            outputs.append(run_step(self, chunk, args, chunks.closed_form, start, columns))
             i += 1
-        self._enter_phase(decoding=True)  # (the prompt is done)
+        self.enter_phase(decoding=True)  # (the prompt is done)
         outs, weights = zip(*outputs, strict=True)
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         if not args.weights:
@@ -407,101 +283,6 @@ class SieveLayer(CacheLayerMixin):
         if run < 2 or not scannable(self, step[start : start + run], args):
             return 1
         return run
-
-    def _step(
-        self,
-        chunk: Chunk,
-        args: AttentionArgs,
-        closed_form: bool = False,
-        offset: int = 0,
-        columns: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One chunk, its tokens starting at index ``offset`` of the step's: store → attend → observe → evict.
-        Returns its output and, with ``args.weights``, its probabilities by column (see :meth:`_columns`)."""
-        store, policy = self.store, self.policy
-        q = chunk.keys.shape[2]
-        slots, query_pos, start = self._store_chunk(chunk.keys, chunk.values, chunk.padding, offset)
-        keys, values, query, exact = slots.keys, slots.values, chunk.query, None
-        if q > 1 and store.step is not None and store.step.exact is not None:
-            # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
-            keys, values = store.step.keys, store.step.values
-            exact = Exact(store.step.exact_keys, store.step.exact_values, store.codec.residual)
-        if self.rotary is not None:  # keys are stored un-rotated; re-rotated by rank (position rolling)
-            rank = ranks(slots.pos)
-            query = self._rolled_query(rank, query, query_pos, slice(start, start + q), keys.shape[1])
-            keys = self.rotary.rotate(keys, rank)
-            if exact is not None:
-                exact = Exact(self.rotary.rotate(exact.keys, rank), exact.values, exact.residual)
-        seen = Visibility(
-            restrict=policy.stream_visible if closed_form and q > 1 else None,
-            all_visible=q == 1 and chunk.padding is None and args.window is None and not store.may_hold_padding,
-            causal_tail=not policy.observes_all_slots,  # (the chunk's tokens are the last q slots, in order)
-        )
-        weights = None
-        observes = self.observes
-        decided = victim = None
-        if (
-            observes
-            and seen.all_visible
-            and not (args.explicit or exact)
-            and self.kernels
-            and decodes_by_rule(policy.rule, keys.device)
-        ):
-            decided = self._decide_by_rule(query, keys, values, slots, args)
-        if decided is not None:
-            out, victim = decided
-        elif observes or policy.narrows or args.explicit or exact is not None:
-            observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
-            narrow = policy.narrow if policy.narrows else None
-            # The rows before those the policy observes need no probabilities: the fused kernel attends them over
-            # the slots before the chunk's later tokens (which they cannot see).
-            rows = policy.observed_rows() if observes and not (args.explicit or exact) else None
-            head = 0 if rows is None else max(0, q - rows)
-            outs = []
-            if head:
-                before = keys.shape[2] - (q - head)
-                early = (t[:, :, :before] for t in (keys, values, slots.pos))
-                outs.append(fused_attention(query[:, :, :head], *early, query_pos[:, :head], args, seen))
-            if head < q:
-                late = (query[:, :, head:], keys, values, slots.pos, query_pos[:, head:], args, seen)
-                out, weights = observed_attention(*late, observe, narrow, exact, step_rows=q)
-                outs.append(out)
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        else:
-            out = fused_attention(query, keys, values, slots.pos, query_pos, args, seen)
-        if weights is not None:
-            weights = _by_column(weights, slots.pos, columns, self.tokens_seen)
-        self._evict(slots, victim)
-        store.release()
-        return out, weights
-
-    def _store_chunk(
-        self, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None, offset: int
-    ) -> tuple[Slots, torch.Tensor, int]:
-        """Store a chunk's tokens (keys and values ``[B, H, q, D]``, validity ``[B, q]``; starting at index
-        ``offset`` of the step's) after the held ones: the view of the slots in use, the chunk's query positions
-        ``[B, q]`` (-1 = padding) and the slot of its first token."""
-        store = self.store
-        q, heads = keys.shape[2], keys.shape[1]
-        if store.stale is not None and q > 1:
-            store.compact()
-        query_pos, self.newest, new_pos = self.memo.share(
-            "positions",
-            (self.tokens_seen, offset, q, heads),
-            lambda: chunk_positions(self.newest, padding, q, heads),
-        )
-        store.may_hold_padding |= padding is not None
-        keys = keys if self.rotary is None else self.rotary.rotate(keys, -query_pos[:, None, :])
-        start = store.append(
-            keys,
-            values,
-            new_pos,
-            self.policy.initial_state(keys, new_pos),
-            self.newest,
-            padding is not None,
-            self._expand_stale,
-        )
-        return store.view(self.newest), query_pos, start
 
     @property
     def observes(self) -> bool:
@@ -525,108 +306,13 @@ class SieveLayer(CacheLayerMixin):
         (:class:`~kvsieve.engine.shared.SharedPrompt`) before :meth:`close_prompt`."""
         (keys, values), self.pending = self.pending, None
         self.prompt_tokens = None
-        return self._store_chunk(keys, values, None, 0)[0]
+        return store_chunk(self, keys, values, None, 0)[0]
 
     def close_prompt(self, slots: Slots) -> None:
         """Evict after :meth:`store_prompt` and its observations: the layer is then as a prompt step leaves it."""
-        self._evict(slots)
+        evict(self, slots)
         self.store.release()
-        self._enter_phase(decoding=True)
-
-    def _decide_by_rule(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: Slots, args: AttentionArgs
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A decode step over real slots whose observation (and victim) the policy states as a rule
-        (:func:`compiled_decode`: a ``ScoreRule``'s score and victim, ``LowMarks``' marks in one compiled call).
-        Returns the output and the victim (None when no single slot goes or the policy chooses it); None where that
-        does not apply (autograd; a policy that observes none of the step's rows) and the step attends, observes and
-        chooses in torch."""
-        if query.requires_grad or self.policy.observed_rows() == 0:
-            return None
-        used, rule = self.store.used, self.policy.rule
-        evict = self.n_keep(used) == used - 1
-        victims = self._victims_buffer(keys)
-        scale = None
-        if isinstance(rule, ScoreRule) and rule.logit_scale is not None:  # (made once for the layers of equal rules)
-            scale = self.memo.derive(
-                ("logit_scale", rule.logit_scale), slots.last, lambda: rule.logit_scale(slots.last[:, None])[:, 0]
-            )
-        ranked = self._ranked_buffer(slots.pos) if isinstance(rule, ScoreRule) and rule.pool else None
-        out, ruled = decided_attention(
-            query,
-            keys,
-            values,
-            args.scaling,
-            lambda logits: compiled_decode(rule, logits, slots, evict, victims, scale, ranked),
-        )
-        return out, victims if evict and ruled is not None else None
-
-    def _victims_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """The layer's buffer of victims ``[B, H, 1]`` (``like``: ``[B, H, ...]``; int64, on CPU), where a compiled
-        step writes them: rewritten at every step, so the stale slot it becomes is expanded once
-        (:meth:`_expand_stale`). Not for the decisions a positional group shares: each of its layers holds the victim
-        until its own next token is written."""
-        victims = self.victims
-        if victims is None or victims.shape[:2] != like.shape[:2]:
-            victims = self.victims = torch.zeros((*like.shape[:2], 1), dtype=torch.long)
-        return victims
-
-    def _ranked_buffer(self, pos: torch.Tensor) -> torch.Tensor:
-        """The layer's slots in position order ``[B, H, N]`` as a pooling rule's compiled decode step left them (int64,
-        on CPU; ``pos``: the positions of the slots in use), or, new, -1 (sorted at the first step)."""
-        ranked = self.ranked
-        if ranked is None or ranked.shape != pos.shape:
-            ranked = self.ranked = torch.full(pos.shape, -1, dtype=torch.long)
-        return ranked
-
-    def _expand_stale(self, stale: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The stale slots expanded over slot tensor ``t``'s trailing dimensions; a victim the layers of a positional
-        group share (:meth:`shared_decision`) is expanded once for all of them, a layer's own buffer of victims
-        (:attr:`victims`) once for all steps."""
-        group = self.plan.groups[self.layer_idx]
-        owner = ("layer", self.layer_idx) if group is None else ("group", group)
-        return self.memo.derive(("stale", owner, t.shape[3:]), stale, lambda: expand_index(stale, t))
-
-    def _rolled_query(
-        self, rank: torch.Tensor, query: torch.Tensor, query_pos: torch.Tensor, new: slice, kv_heads: int
-    ) -> torch.Tensor:
-        """The queries rotated by the rank ``rank[..., new]`` of their own slots (their keys are rotated by rank)."""
-        query_rank = rank[:, :, new].repeat_interleave(query.shape[1] // kv_heads, dim=1)
-        return self.rotary.rotate(query, query_rank - query_pos[:, None, :])
-
-    def _evict(self, slots: Slots, victim: torch.Tensor | None = None) -> None:
-        """Evict down to the policy's ``n_keep`` (``slots``: the view of the slots in use; ``victim``: the slot per
-        (row, head) already chosen when one goes)."""
-        self.eviction_rounds += 1
-        store, policy = self.store, self.policy
-        target, rows = self.n_keep(store.used), None
-        if policy.counts_rows and store.may_hold_padding:  # each row's target from its own count of tokens
-            rows = [self.n_keep(count) for count in (slots.pos[:, 0] >= 0).sum(dim=-1).tolist()]
-            target = max(rows)
-        if target >= store.used:
-            return
-        if rows is not None:
-            chosen, evicted = self._choose_per_row(slots, rows, target)
-            store.keep(chosen)
-            store.positions[:, :, :target].masked_fill_(evicted, -1)  # (holes where a row keeps fewer)
-        else:
-            chosen = (
-                victim
-                if victim is not None
-                else self.shared_decision(self.eviction_rounds, lambda: self._choose(slots, target))
-            )
-            if store.used - target == 1:
-                store.drop(chosen, leave_stale=not store.may_hold_padding and self.rotary is None)
-                store.settle(single=True)
-                return
-            store.keep(chosen)
-        store.settle()
-
-    def shared_decision(self, round_: Hashable, choose: Callable[[], T]) -> T:
-        """``choose()``, or the decision the layer's positional group made for eviction round ``round_``
-        (:meth:`~kvsieve.engine.plan.StepMemo.decide`)."""
-        group = self.plan.groups[self.layer_idx]
-        return self.memo.decide(group, round_, choose, self.plan.group_sizes[group])
+        self.enter_phase(decoding=True)
 
     @property
     def limit(self) -> int | None:
@@ -639,51 +325,16 @@ class SieveLayer(CacheLayerMixin):
         limit = self.limit
         return n if limit is None else self.policy.n_keep(n, limit)
 
-    def _store_limit(self) -> int | float:
+    def store_limit(self) -> int | float:
         """Slots the store may allocate: the limit and a spare one for the next decode token."""
         limit = self.limit
         return float("inf") if limit is None else limit + 1
 
-    def _enter_phase(self, decoding: bool) -> None:
+    def enter_phase(self, decoding: bool) -> None:
         """Past the prompt (``decoding``) or not: the slot limit follows (:meth:`PolicyPlan.limit`)."""
         if decoding != self.decoding:
             self.decoding = decoding
-            self.store.limit = self._store_limit()
-
-    def _scores(self, slots: Slots) -> torch.Tensor:
-        """The policy's priorities, padding and empty slots lowest."""
-        scores = self.policy.keep_scores(slots)
-        return demote(scores, slots.pos < 0) if self.store.may_hold_padding else scores
-
-    def _choose(self, slots: Slots, target: int) -> torch.Tensor:
-        """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots
-        kept ``[B, H, target]``, in slot order."""
-        if self.store.used - target == 1:
-            out = self._victims_buffer(slots.pos) if self.plan.groups[self.layer_idx] is None else None
-            padded = self.store.may_hold_padding
-            victims = compiled_victims(self.policy.rule, slots, padded, out) if self.kernels else None
-            return self._scores(slots).argmin(dim=-1, keepdim=True) if victims is None else victims
-        scores = self._scores(slots)
-        return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
-
-    def _choose_per_row(self, slots: Slots, rows: list[int], target: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``target`` best slots ``[B, H, target]`` in slot order, and which of them go all the same ``[B, H,
-        target]`` because their row keeps only its ``rows[b]`` best."""
-        best = self._scores(slots).topk(target, dim=-1).indices  # best first
-        beyond = torch.arange(target, device=best.device) >= torch.tensor(rows, device=best.device)[:, None, None]
-        chosen, order = best.sort(dim=-1)
-        return chosen, beyond.expand_as(best).gather(-1, order)
-
-    def _columns(self, padding: torch.Tensor | None) -> torch.Tensor | None:
-        """``[B, tokens seen]``: the column of each row's token at each position (None: position = column)."""
-        if padding is None:
-            return None
-        if padding.shape[1] != self.tokens_seen:
-            raise ValueError(
-                f"output_attentions with a kvsieve cache needs the attention mask of all {self.tokens_seen} tokens "
-                f"seen, got one of {padding.shape[1]}"
-            )
-        return torch.argsort((~padding).to(torch.uint8), dim=1, stable=True).to(self.device)
+            self.store.limit = self.store_limit()
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.recording = None  # (recorded steps cannot be rolled back across a change of the batch)
@@ -716,14 +367,3 @@ class SieveLayer(CacheLayerMixin):
     def state_nbytes(self) -> int:
         """Bytes allocated for positions and policy state."""
         return 0 if self.store is None else self.store.state_nbytes() + self.newest.nbytes
-
-
-def _by_column(weights: torch.Tensor, pos: torch.Tensor, columns: torch.Tensor | None, total: int) -> torch.Tensor:
-    """Slot probabilities ``[B, Hq, b, N]`` laid out by column ``[B, Hq, b, total]`` (0 for tokens not held):
-    ``pos`` ``[B, Hkv, N]`` are the slots' positions, ``columns`` maps positions to columns (None: identity)."""
-    group = weights.shape[1] // pos.shape[1]
-    held = pos.clamp(min=0)
-    col = held if columns is None else columns.gather(1, held.flatten(1)).view_as(pos)
-    col = col.repeat_interleave(group, dim=1)[:, :, None, :].expand_as(weights)
-    real = (pos >= 0).repeat_interleave(group, dim=1)[:, :, None, :]
-    return weights.new_zeros((*weights.shape[:3], total)).scatter_add_(3, col, weights * real)

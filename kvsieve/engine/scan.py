@@ -22,7 +22,7 @@ towards the layer's slots and go first when it evicts; a padding query is observ
 (its output is never used). A run can be scanned when positions are not rolled, the layer has no window, the
 attention needs nothing the scan does not compute (soft-capping, sinks, returned weights), and, where padding is
 involved, the policy's target is not each row's own count (:attr:`~kvsieve.policies.base.Policy.counts_rows`);
-otherwise the layer steps through it chunk by chunk (:meth:`SieveLayer._step`). Quantized slots are read as
+otherwise the layer steps through it chunk by chunk (:func:`~kvsieve.engine.step.run_step`). Quantized slots are read as
 :mod:`kvsieve.engine.quant` says: dequantized, and exactly by each query within its residual.
 """
 
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvsieve.engine.compiled import compiled_decide
+from kvsieve.engine.eviction import shared_decision
 from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs, weighted_values
 from kvsieve.engine.stream import chunk_positions
@@ -40,7 +41,8 @@ from kvsieve.policies import Observation, Slots
 from kvsieve.policies.base import demote, extreme, protect
 
 if TYPE_CHECKING:
-    from kvsieve.engine.layer import Chunk, SieveLayer
+    from kvsieve.engine.layer import SieveLayer
+    from kvsieve.engine.step import Chunk
     from kvsieve.engine.storage import SlotStore
 
 SCAN_ELEMENTS = 1 << 22
@@ -104,7 +106,8 @@ def scan(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
     pos[:, :, first:] = -1  # (hidden until revealed)
     state = {name: t[:, :, :n] for name, t in store.state.items()}
     logits = kv.logits(chunk.query, args.scaling) if policy.needs_attention else None
-    gone, kept = layer.shared_decision(
+    gone, kept = shared_decision(
+        layer,
         ("run", layer.eviction_rounds),
         lambda: _decide(layer, pos, state, kv, query_pos, lasts, new_pos, logits, pads),
     )
