@@ -10,9 +10,10 @@ import torch
 import kvsieve
 from kvsieve.engine import compiled
 from kvsieve.engine import step as step_module
+from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScoreRule
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV
-from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScoreRule, Slots, demote
+from kvsieve.policies.base import Slots, demote
 from kvsieve.policies.h2o import H2O
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")

@@ -9,14 +9,14 @@ on this CPU; here the whole run is one call. The loops do what the torch scan do
 head's probabilities ``exp(l - max) / sum`` over the held slots, the group's heads summed in order, then the
 policy's state updated; victims are chosen with ``torch.argmin``'s tie rule (the first lowest) or, for several at
 once, as the set ``torch.topk`` returns. Padding is handled as the torch scan handles it (padding slots go first, a
-padding query observes nothing and sees every slot) under a :class:`~kvsieve.policies.base.ScoreRule`; a
-:class:`~kvsieve.policies.base.LowMarks` or :class:`~kvsieve.policies.base.FixedPriority` policy counts each row's
+padding query observes nothing and sees every slot) under a :class:`~kvsieve.engine.rules.ScoreRule`; a
+:class:`~kvsieve.engine.rules.LowMarks` or :class:`~kvsieve.engine.rules.FixedPriority` policy counts each row's
 tokens, so padded runs are never scanned for it.
 The exponentials (and AhaKV's logit multipliers, computed for the whole run at once) are not torch's vectorized
 ones, so scores may differ from the torch scan's in the last bits (tested: the same kept tokens and bitwise the same
 logits).
 
-A decode step under a :class:`~kvsieve.policies.base.ScoreRule` over real slots (:func:`compiled_decode`) takes the
+A decode step under a :class:`~kvsieve.engine.rules.ScoreRule` over real slots (:func:`compiled_decode`) takes the
 query's probabilities from torch's softmax (they weigh the values too) and does the rest of the policy's step in one
 call: the group sums added to the score, the victim chosen. While padding is held, the victim alone is chosen in one
 call where the policy's priorities take many small ops (:func:`compiled_victims`: SnapKV's pooling in position order,
@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvsieve.policies.base import FixedPriority, LowMarks, Pattern, ScanRule, ScoreRule, Slots, drop_in_bulk
+from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScanRule, ScoreRule, drop_in_bulk
+from kvsieve.policies.base import Slots
 
 try:
     import numba
@@ -107,7 +108,7 @@ def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int
 def _pattern_kept(
     pos: np.ndarray, b: int, h: int, last: int, pattern: tuple, kept: np.ndarray, rank: np.ndarray
 ) -> None:
-    """``kept`` = the slots of row ``b``, head ``h`` that a :class:`~kvsieve.policies.base.Pattern` (``pattern``:
+    """``kept`` = the slots of row ``b``, head ``h`` that a :class:`~kvsieve.engine.rules.Pattern` (``pattern``:
     its fields in order) keeps when the newest position is ``last`` (``rank``: scratch)."""
     keep, recent, block, period, offset, span = pattern
     n = pos.shape[2]
@@ -209,7 +210,7 @@ def _victim(
     ranked: np.ndarray,
     repair: bool = False,
 ) -> int:
-    """The slot a :class:`~kvsieve.policies.base.ScoreRule` (``pattern``, ``pool``) evicts from row ``b``, head
+    """The slot a :class:`~kvsieve.engine.rules.ScoreRule` (``pattern``, ``pool``) evicts from row ``b``, head
     ``h`` when the newest position is ``last``: if ``padded``, the first slot holding padding (position -1: every
     slot holds a token or padding), else the lowest-scored (pooled) outside the pattern (``kept``, ``rank``,
     ``order``: scratch; ``ranked``, ``repair``: the position order for pooling, see :func:`_position_order`)."""
@@ -246,7 +247,7 @@ def _victims(
 def _fixed_victims(
     priority: np.ndarray, pos: np.ndarray, padded: bool, lasts: np.ndarray, recent: int, out: np.ndarray
 ) -> None:
-    """``out`` ``[B, H, 1]`` = each row and head's one victim under a :class:`~kvsieve.policies.base.FixedPriority`
+    """``out`` ``[B, H, 1]`` = each row and head's one victim under a :class:`~kvsieve.engine.rules.FixedPriority`
     (``recent``): if ``padded``, the first slot holding padding, else the lowest ``priority`` outside the ``recent``
     newest positions (the first of equal ones)."""
     n = pos.shape[2]
@@ -296,7 +297,7 @@ def _decode_rule(
     pool: int,
     ranked: np.ndarray,
 ) -> None:
-    """A decode step under a :class:`~kvsieve.policies.base.ScoreRule` (as one token of :func:`_score_rule`):
+    """A decode step under a :class:`~kvsieve.engine.rules.ScoreRule` (as one token of :func:`_score_rule`):
     ``probs`` ``[B, H, G, N]``, each row's query's probabilities over the slots in use (all held: no padding),
     summed over the group in order into ``score`` (updated); ``victims`` ``[B, H, 1]`` filled when one slot goes
     (``evict``); ``ranked`` ``[B, H, N]``: the slots in position order at the step before, updated (pooling)."""
@@ -322,7 +323,7 @@ def _decode_rule(
 
 @_compiled
 def _decode_marks(probs: np.ndarray, pos: np.ndarray, lasts: np.ndarray, low: np.ndarray, by_step: bool) -> None:
-    """A decode step's marks under :class:`~kvsieve.policies.base.LowMarks` (as one token of :func:`_low_marks`):
+    """A decode step's marks under :class:`~kvsieve.engine.rules.LowMarks` (as one token of :func:`_low_marks`):
     ``probs`` ``[B, H, G, N]``, each row's query's probabilities over the slots in use (all held: no padding),
     summed over the group in order; the query's column of the ``low`` ring ``[B, H, N, window]`` rewritten."""
     bsz, heads, group, n = probs.shape
@@ -357,7 +358,7 @@ def _score_rule(
     across_heads: bool,
     pool: int,
 ) -> int:
-    """The run's decisions under a :class:`~kvsieve.policies.base.ScoreRule` (``accumulate``, ``pattern``: its
+    """The run's decisions under a :class:`~kvsieve.engine.rules.ScoreRule` (``accumulate``, ``pattern``: its
     ``kept`` pattern's fields, ``across_heads``, ``pool``): ``logits`` ``[B, H, G, c, N]``, ``pos`` ``[B, H, N]``
     (the run's ``c`` slots last, hidden as -1; evicted slots become -1), ``query_pos`` ``[B, c]`` (-1: padding),
     ``lasts`` ``[B, c]`` each row's newest position at each token, ``pads`` ``[B, H, N]`` the slots holding padding
@@ -413,7 +414,7 @@ def _low_marks(
     drop: int,
     by_step: bool,
 ) -> int:
-    """The run's decisions under :class:`~kvsieve.policies.base.LowMarks` (as :func:`_score_rule`; ``low``
+    """The run's decisions under :class:`~kvsieve.engine.rules.LowMarks` (as :func:`_score_rule`; ``low``
     ``[B, H, N, window]``, updated)."""
     bsz, heads, group, c, n = logits.shape
     window = low.shape[3]
@@ -453,7 +454,7 @@ def _fixed_priority(
     recent: int,
     drop: int,
 ) -> int:
-    """The run's decisions under :class:`~kvsieve.policies.base.FixedPriority` (as :func:`_score_rule`, without
+    """The run's decisions under :class:`~kvsieve.engine.rules.FixedPriority` (as :func:`_score_rule`, without
     logits; ``priority`` ``[B, H, N]`` int64)."""
     bsz, heads, c, n = gone.shape
     protected = np.iinfo(np.int64).max
@@ -476,7 +477,7 @@ def _fixed_priority(
 
 
 def _fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
-    """A :class:`~kvsieve.policies.base.Pattern`'s fields as the loops take them."""
+    """A :class:`~kvsieve.engine.rules.Pattern`'s fields as the loops take them."""
     return pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span
 
 
@@ -555,8 +556,8 @@ def _position_buffer(ranked: torch.Tensor | None, pool: int, shape: tuple[int, .
 def compiled_victims(
     rule: ScanRule | None, slots: Slots, padded: bool, out: torch.Tensor | None = None
 ) -> torch.Tensor | None:
-    """A step's one victim per (row, head) ``[B, H, 1]`` by a :class:`~kvsieve.policies.base.ScoreRule`'s or a
-    :class:`~kvsieve.policies.base.FixedPriority`'s ``keep_scores`` in one compiled call (``slots``: the slots in use,
+    """A step's one victim per (row, head) ``[B, H, 1]`` by a :class:`~kvsieve.engine.rules.ScoreRule`'s or a
+    :class:`~kvsieve.engine.rules.FixedPriority`'s ``keep_scores`` in one compiled call (``slots``: the slots in use,
     each holding a token or, if ``padded``, maybe padding, which goes first), the slot ``argmin`` picks from the
     policy's priorities; None when the loop does not apply (no such rule, no numba, not on CPU) or would not pay (a
     score without pooling or a pattern to rank: the policy's priorities are then one or two ops, cheaper than the

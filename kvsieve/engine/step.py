@@ -18,6 +18,7 @@ import torch
 from kvsieve.engine.compiled import compiled_decode, decodes_by_rule
 from kvsieve.engine.eviction import evict, expand_stale, ranked_buffer, victims_buffer
 from kvsieve.engine.rope import ranks
+from kvsieve.engine.rules import ScoreRule
 from kvsieve.engine.slot_attention import (
     AttentionArgs,
     Exact,
@@ -28,7 +29,6 @@ from kvsieve.engine.slot_attention import (
 )
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import Slots
-from kvsieve.policies.base import ScoreRule
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import SieveLayer

@@ -8,12 +8,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kvsieve.engine.rules import Pattern, ScoreRule
 from kvsieve.policies.base import (
     SCORE_STATE,
     Observation,
-    Pattern,
     Policy,
-    ScoreRule,
     Slots,
     accumulate,
     in_position_order,
@@ -141,7 +140,7 @@ class AhaKV(Policy):
     Ablations: ``ra=False`` accumulates every prompt row; ``sgs=False`` uses the plain probabilities;
     ``vpe=False`` sets ``γ̄ = 1``. Choices: a GQA group's query heads are scored separately (SG-softmax per head)
     and summed, as H2O does; padding queries add nothing. In a stream every step is one query (no value prior; RA
-    counts it): the rule is then a :class:`~kvsieve.policies.base.ScoreRule` with SGS's multiplier of the logits
+    counts it): the rule is then a :class:`~kvsieve.engine.rules.ScoreRule` with SGS's multiplier of the logits
     (``scan_rule``; not with ``sgs_tokens="kept"``), and the stream protocol's scan decides on CPU in one compiled
     loop, with the same decisions.
     """

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Pattern, PositionalPolicy, register
+from kvsieve.engine.rules import Pattern
+from kvsieve.policies.base import PositionalPolicy, register
 from kvsieve.policies.strided import pattern_scores
 
 

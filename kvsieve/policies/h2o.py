@@ -8,18 +8,8 @@ from typing import Literal
 
 import torch
 
-from kvsieve.policies.base import (
-    SCORE_STATE,
-    Observation,
-    Pattern,
-    Policy,
-    ScoreRule,
-    Slots,
-    accumulate,
-    protect,
-    recent_mask,
-    register,
-)
+from kvsieve.engine.rules import Pattern, ScoreRule
+from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, accumulate, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -57,7 +47,7 @@ class H2O(Policy):
 
     Choices: padding queries add nothing; the original code assumes batch size 1 and sums the batch dimension,
     here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``. With the default
-    ``transform`` and no ``normalize`` the rule is a :class:`~kvsieve.policies.base.ScoreRule` (``scan_rule``):
+    ``transform`` and no ``normalize`` the rule is a :class:`~kvsieve.engine.rules.ScoreRule` (``scan_rule``):
     the stream protocol's scan then decides on CPU in one compiled loop, with the same decisions.
 
     Variants:

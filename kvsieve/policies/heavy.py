@@ -9,12 +9,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvsieve.engine.rules import ScoreRule
 from kvsieve.policies.base import (
     SCORE_STATE,
     Observation,
     Policy,
     PositionalPolicy,
-    ScoreRule,
     Slots,
     accumulate,
     demote,
@@ -54,8 +54,8 @@ class HeavyHitters(Policy):
     in its part later (a ``fixed`` block boundary, a ``strided`` candidate) moves there. The pattern's ties follow
     ``torch.topk``, as do ties of scores. ``heavy_ratio = 0`` is the base policy at ``B`` (tested: same kept
     positions). The combined policy is not positional (every layer decides alone, by its own scores). Every batch
-    row keeps its own scores, like ``h2o``. The rule is a :class:`~kvsieve.policies.base.ScoreRule` whose kept set
-    is the base's :class:`~kvsieve.policies.base.Pattern` (``scan_rule``): the stream protocol's scan decides on CPU
+    row keeps its own scores, like ``h2o``. The rule is a :class:`~kvsieve.engine.rules.ScoreRule` whose kept set
+    is the base's :class:`~kvsieve.engine.rules.Pattern` (``scan_rule``): the stream protocol's scan decides on CPU
     in one compiled loop, with the same decisions.
     """
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import FixedPriority, Policy, Slots, drop_in_bulk, protect, recent_mask, register
+from kvsieve.engine.rules import FixedPriority, drop_in_bulk
+from kvsieve.policies.base import Policy, Slots, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class KNorm(Policy):
     32 → 22.27, 204 → 22.71. Default ``recent = min(32, budget // 2)``: the best of both protocols together;
     ``recent=0`` is the paper's bare rule (kvpress's ``KnormPress``).
 
-    The rule is :class:`~kvsieve.policies.base.FixedPriority` (``scan_rule``): the stream protocol's scan decides on
+    The rule is :class:`~kvsieve.engine.rules.FixedPriority` (``scan_rule``): the stream protocol's scan decides on
     CPU in one compiled loop, with the same decisions.
     """
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvsieve.policies.base import Pattern, SinkWindow, register
+from kvsieve.engine.rules import Pattern
+from kvsieve.policies.base import SinkWindow, register
 
 
 @register

@@ -8,16 +8,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvsieve.policies.base import (
-    LowMarks,
-    Observation,
-    Policy,
-    Slots,
-    drop_in_bulk,
-    protect,
-    recent_mask,
-    register,
-)
+from kvsieve.engine.rules import LowMarks, drop_in_bulk
+from kvsieve.policies.base import Observation, Policy, Slots, protect, recent_mask, register
 
 
 @dataclass(frozen=True)
@@ -68,7 +60,7 @@ class Scissorhands(Policy):
       next to 256 bytes of bf16 K+V for head_dim 64; packing bits would divide it by 8.
     - Ties in the count: the older token is dropped first. Padding queries mark nothing.
 
-    The rule is :class:`~kvsieve.policies.base.LowMarks` (``scan_rule``): the stream protocol's scan decides on CPU
+    The rule is :class:`~kvsieve.engine.rules.LowMarks` (``scan_rule``): the stream protocol's scan decides on CPU
     in one compiled loop, with the same decisions.
     """
 

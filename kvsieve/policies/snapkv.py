@@ -7,12 +7,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvsieve.engine.rules import Pattern, ScoreRule
 from kvsieve.policies.base import (
     SCORE_STATE,
     Observation,
-    Pattern,
     Policy,
-    ScoreRule,
     Slots,
     in_position_order,
     protect,
@@ -61,7 +60,7 @@ class SnapKV(Policy):
     when a step leaves more than ``budget`` tokens, the ``window`` newest are kept and the others compete by pooled
     score (pooling over the held tokens in position order). Scores accumulate while a token is held. Ties of the
     pooled scores (frequent: neighbours share a maximum) keep the newer token. With a window the rule is a
-    :class:`~kvsieve.policies.base.ScoreRule` with pooling (``scan_rule``): the stream protocol's scan decides on
+    :class:`~kvsieve.engine.rules.ScoreRule` with pooling (``scan_rule``): the stream protocol's scan decides on
     CPU in one compiled loop, with the same decisions.
     """
 

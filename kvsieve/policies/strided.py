@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import Pattern, PositionalPolicy, protect, recent_mask, register
+from kvsieve.engine.rules import Pattern
+from kvsieve.policies.base import PositionalPolicy, protect, recent_mask, register
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.policies.base import SCORE_STATE, Observation, Policy, ScoreRule, Slots, register
+from kvsieve.engine.rules import ScoreRule
+from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, register
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class TOVA(Policy):
 
     Choices: with ``per_head=True`` the score is per KV head (its group's query heads summed), which the paper does
     not do. With left padding the step's last query is real in every row. Ties follow ``torch.topk``. The rule is a
-    :class:`~kvsieve.policies.base.ScoreRule` (``scan_rule``): the stream protocol's scan decides on CPU in one
+    :class:`~kvsieve.engine.rules.ScoreRule` (``scan_rule``): the stream protocol's scan decides on CPU in one
     compiled loop, with the same decisions.
     """
 
