@@ -258,7 +258,7 @@ def test_kvsieve_policies_lists_them(capsys) -> None:
 @settings(max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_shared_invariants_on_these_policies(tiny_models, data) -> None:
-    """``tests/test_properties.py``'s checks (budget held, finite logits, a padded row = the row alone) on runs of
+    """``test_properties.py``'s checks (budget held, finite logits, a padded row = the row alone) on runs of
     these policies only: the shared test draws them among all policies."""
     import test_properties
 

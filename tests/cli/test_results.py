@@ -16,7 +16,7 @@ from kvsieve.provenance import provenance
 from kvsieve.results import main as results_main
 from kvsieve.results import render, render_file, stale_pages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_page_agrees_with_its_data() -> None:

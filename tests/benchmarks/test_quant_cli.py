@@ -219,7 +219,7 @@ def test_lm_eval_model_arguments_quantize_every_cache(tiny_lm) -> None:
 
 # -- the measurement scripts' own parts -------------------------------------------------------------------------------
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def _script(name: str) -> ModuleType:

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def _load(name: str) -> ModuleType:

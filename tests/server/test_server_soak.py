@@ -12,7 +12,7 @@ from types import ModuleType
 import httpx
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "serve_soak.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_soak.py"
 
 
 @pytest.fixture(scope="module")

@@ -55,7 +55,7 @@ def _cells(out: Path) -> dict[str, dict[str, Any]]:
 @slow
 def test_a_two_node_cluster_runs_cells_on_both_nodes(tiny_dir, in_process, tmp_path) -> None:
     args = {"sweep": _sweep_args(tiny_dir, tmp_path)}
-    run = in_loopback([sys.executable, str(Path(__file__).with_name("ray_support.py")), "cluster", json.dumps(args)])
+    run = in_loopback([sys.executable, str(Path(__file__).parents[1] / "ray_support.py"), "cluster", json.dumps(args)])
     assert run.returncode == 0, run.stderr[-3000:]
     sweep = json.loads(run.stdout.splitlines()[-1])
     assert sweep["returncode"] == 0, sweep["stderr"]
@@ -76,7 +76,7 @@ def local(tiny_dir, tmp_path_factory) -> dict[str, Any]:
         "faults": {"ppl__h2o__r0.25": "kill", "ppl__local__r0.5": "raise"},
         "delete": "ppl__h2o__r0.5",
     }
-    script = str(Path(__file__).with_name("ray_support.py"))
+    script = str(Path(__file__).parents[1] / "ray_support.py")
     run = in_loopback([sys.executable, script, "local", json.dumps(args)])
     assert run.returncode == 0, run.stderr[-3000:]
     return {**json.loads(run.stdout.splitlines()[-1]), "work": work}

@@ -1,6 +1,6 @@
 """``kvsieve serve --ray --replicas N``: replicas of the server on Ray Serve behind one OpenAI endpoint.
 
-One ``kvsieve serve --ray --replicas 2`` on a local Ray (a loopback-only network namespace, as tests/test_ray.py
+One ``kvsieve serve --ray --replicas 2`` on a local Ray (a loopback-only network namespace, as evaluation/test_ray.py
 runs Ray: tests/ray_support.py) is driven by this file run as a script in that namespace, with the official
 ``openai`` client: its greedy answers (completions and chat, streamed and not) must be the in-process server's,
 requests must spread over both replicas (each response names its replica's PID in ``X-Kvsieve-Replica-Pid``), each
