@@ -9,10 +9,10 @@ defaults to the one recorded in ``samples/*.settings.json`` (samples the tokeniz
 sample is split by :class:`kvsieve.ruler.tasks.Prompter` into the token ids of its context part (the chat template's
 header and the context) and of its question part (the question, the rest of the turn, the assistant's header, the
 answer prefix), once, in this process; both sides get those very ids (each worker sends back what it fed: the ``ids``
-column) and answer greedily up to RULER's token limit of the task (:data:`kvsieve.ruler.run.MAX_NEW_TOKENS`), scored
+column) and answer greedily up to RULER's token limit of the task (:data:`kvsieve.ruler.predict.MAX_NEW_TOKENS`), scored
 by :func:`kvsieve.ruler.scoring.score`.
 
-- **kvsieve**: :func:`kvsieve.ruler.run.predict` under ``Setting("agnostic", spec, c)``: the context part compressed
+- **kvsieve**: :func:`kvsieve.ruler.predict.predict` under ``Setting("agnostic", spec, c)``: the context part compressed
   by one forward pass, then the question part fed and the answer decoded with the cache growing without bound.
 - **kvpress**: its ``kv-press-text-generation`` pipeline, fed the ids: the pipeline's ``preprocess`` only turns text
   into ids, so the ids go straight to its ``forward`` (``_forward``: the context prefilled through the base model inside
@@ -326,7 +326,8 @@ def plan(settings: Settings, tokenizer: Any) -> list[Item]:
     """Every sample to answer, split into ids by :class:`~kvsieve.ruler.tasks.Prompter`; a ``ValueError`` where the
     tokenizer is not the samples' (their recorded token counts differ) or a compression keeps too few tokens."""
     from kvsieve.qa import SEPARATOR
-    from kvsieve.ruler.run import load_samples, max_new_tokens
+    from kvsieve.ruler.predict import max_new_tokens
+    from kvsieve.ruler.run import load_samples
     from kvsieve.ruler.tasks import Prompter
 
     prompter = Prompter(tokenizer, settings.chat_template)
@@ -481,7 +482,7 @@ def measured(into: dict[str, Any]) -> Iterator[None]:
 
 @functools.cache
 def _token_setting() -> type:
-    from kvsieve.ruler.run import Setting
+    from kvsieve.ruler.predict import Setting
 
     @dataclass(frozen=True)
     class TokenSetting(Setting):
@@ -497,9 +498,9 @@ def _token_setting() -> type:
 
 
 def kvsieve_setting(spec: str, compression: float, tokens: int) -> Any:
-    """The :class:`~kvsieve.ruler.run.Setting` :func:`~kvsieve.ruler.run.predict` runs: question-agnostic ``spec`` at
-    ``compression`` keeping ``tokens`` (``full``: the full cache)."""
-    from kvsieve.ruler.run import FULL as FULL_SETTING
+    """The :class:`~kvsieve.ruler.predict.Setting` :func:`~kvsieve.ruler.predict.predict` runs: question-agnostic
+    ``spec`` at ``compression`` keeping ``tokens`` (``full``: the full cache)."""
+    from kvsieve.ruler.predict import FULL as FULL_SETTING
 
     return FULL_SETTING if spec == FULL else _token_setting()("agnostic", spec, compression, tokens)
 
@@ -514,11 +515,11 @@ def kept_context(cache: Any, context: int) -> tuple[int, int]:
 
 
 def kvsieve_answer(model: Any, command: dict[str, Any]) -> dict[str, Any]:
-    """kvsieve's answer: :func:`kvsieve.ruler.run.predict`, the cache read afterwards through a forward hook."""
+    """kvsieve's answer: :func:`kvsieve.ruler.predict.predict`, the cache read afterwards through a forward hook."""
     from kvpress_worker import load_tokenizer
     from transformers.cache_utils import Cache
 
-    from kvsieve.ruler.run import predict
+    from kvsieve.ruler.predict import predict
 
     head, tail = command["context_ids"], command["question_ids"]
     setting = kvsieve_setting(command["method"], command["compression"], command["budget"])

@@ -6,12 +6,12 @@
 
 Each (length, dtype) runs in a fresh process (so that its peak resident memory is its own): one ``niah_single_2``
 sample of the length (seed 0, the built-in articles) answered greedily under each policy at ``--compression``, the
-question-agnostic protocol (``kvsieve.ruler.run.predict``): ``first_token_s`` is the context's forward pass with the
+question-agnostic protocol (``kvsieve.ruler.predict.predict``): ``first_token_s`` is the context's forward pass with the
 policy's observation and eviction (the full cache: none) plus the question part's, ``answer_s`` the decoding of the
 ``tokens`` after the first; each policy answers a short prompt first, so that no compilation or warm-up is timed.
 ``--grid`` then answers the sample under every setting of the default grid (every default policy at the default
 compressions, both protocols, and the full cache) together, as ``kvsieve ruler`` does
-(:func:`~kvsieve.ruler.run.answer`): the shared prompt pass, the question parts of the agnostic settings (one
+(:func:`~kvsieve.ruler.predict.answer`): the shared prompt pass, the question parts of the agnostic settings (one
 batch), the answers (one batch), against the policies timed alone above (their mean time per setting × the grid's
 settings). ``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON
 with its :func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it on the long-context
@@ -34,7 +34,7 @@ def measure(
     model_name: str, length: int, dtype: str, policies: list[str], compression: float, grid: bool = False
 ) -> dict:
     import kvsieve
-    from kvsieve.ruler import run
+    from kvsieve.ruler import predict, run
     from kvsieve.ruler.tasks import Prompter, generate_samples
 
     model, tokenizer = kvsieve.load_model(model_name, dtype=dtype)
@@ -43,9 +43,9 @@ def measure(
     head, tail = prompter.ids(sample.context, sample.question, sample.answer_prefix)
     rows = []
     for policy in policies:
-        setting = run.FULL if policy == "full" else run.Setting("agnostic", policy, compression)
-        run.predict(model, tokenizer, head[:256], tail, setting, 2)  # (warm-up: compiled kernels are not timed)
-        text, tokens, first_s, total_s = run.predict(model, tokenizer, head, tail, setting, 32)
+        setting = predict.FULL if policy == "full" else predict.Setting("agnostic", policy, compression)
+        predict.predict(model, tokenizer, head[:256], tail, setting, 2)  # (warm-up: compiled kernels are not timed)
+        text, tokens, first_s, total_s = predict.predict(model, tokenizer, head, tail, setting, 32)
         rows.append(
             {
                 "policy": policy,
@@ -64,21 +64,21 @@ def measure(
 
 
 def measure_grid(model, tokenizer, sample, prompt, alone: list[dict], compression: float) -> dict:
-    """The whole default grid of one sample answered together (``kvsieve.ruler.run.answer``), by phase, against the
+    """The whole default grid of one sample answered together (``kvsieve.ruler.predict.answer``), by phase, against the
     settings timed alone above (their mean time × the grid's settings; how many of their answers are the same)."""
-    from kvsieve.ruler import run
+    from kvsieve.ruler import predict, run
 
     head, tail = prompt
     settings = run.grid_settings(run.default_policies(), run.DEFAULT_COMPRESSIONS, ["agnostic", "aware"])
-    run.predict_together(model, tokenizer, head[:256], tail, settings, 2)  # (warm-up)
-    answers = dict(run.answer(model, tokenizer, sample, prompt, settings))
+    predict.predict_together(model, tokenizer, head[:256], tail, settings, 2)  # (warm-up)
+    answers = dict(predict.answer(model, tokenizer, sample, prompt, settings))
     first = {s.protocol: a["first_token_s"] for s, a in answers.items() if s.policy != "full"}
     total = max(a["total_s"] for a in answers.values())
     per_setting = sum(r["first_token_s"] + r["answer_s"] for r in alone) / len(alone)
     timed = {
         s.policy: a["text"]
         for s, a in answers.items()
-        if s == run.FULL or (s.key.startswith("agnostic") and s.compression == compression)
+        if s == predict.FULL or (s.key.startswith("agnostic") and s.compression == compression)
     }
     same = [r["answer"] == timed[r["policy"]] for r in alone if r["policy"] in timed]  # (agnostic ones, as above)
     return {

@@ -13,7 +13,7 @@ import torch
 from test_kvpress_side_by_side import _load
 
 from kvsieve.qa import SEPARATOR
-from kvsieve.ruler.run import FULL, predict
+from kvsieve.ruler.predict import FULL, predict
 from kvsieve.ruler.tasks import Prompter, Sample
 
 ruler = _load("kvpress_ruler")

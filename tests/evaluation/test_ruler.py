@@ -15,25 +15,15 @@ import pytest
 import torch
 
 import kvsieve
-import kvsieve.ruler.run as ruler_run
+import kvsieve.ruler.predict as ruler_predict
 from kvsieve.cli import main
 from kvsieve.data import load_articles
 from kvsieve.engine.memory import reservation
 from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
+from kvsieve.ruler.predict import FULL, Setting, answer, predict, predict_together, setting_groups
 from kvsieve.ruler.report import write_report
-from kvsieve.ruler.run import (
-    FULL,
-    GridSettings,
-    Setting,
-    answer,
-    default_policies,
-    grid_settings,
-    predict,
-    predict_together,
-    run_ruler,
-    setting_groups,
-)
+from kvsieve.ruler.run import GridSettings, default_policies, grid_settings, run_ruler
 from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, score
 from kvsieve.ruler.tasks import (
     NOISE,
@@ -374,14 +364,14 @@ def _count_predict(monkeypatch) -> list[tuple[str, int]]:
         calls.extend((setting.key, len(head) + len(tail)) for setting in settings)
         return together(model, tokenizer, head, tail, settings, max_new_tokens)
 
-    monkeypatch.setattr(ruler_run, "predict", counted)
-    monkeypatch.setattr(ruler_run, "predict_together", counted_together)
+    monkeypatch.setattr(ruler_predict, "predict", counted)
+    monkeypatch.setattr(ruler_predict, "predict_together", counted_together)
     return calls
 
 
 def test_run_is_resumable_and_reported(tiny_lm, sources, tmp_path, monkeypatch) -> None:
     model, tok = tiny_lm
-    monkeypatch.setattr(ruler_run, "max_new_tokens", lambda task: 3)  # (a random model: the answers are noise)
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 3)  # (a random model: the answers are noise)
     settings = grid_settings(["full", "h2o", "streaming_llm"], [0.5], ["agnostic", "aware"])
     assert len(settings) == 5
     grid = GridSettings(model="tiny", dtype="float32", seed=0, haystack="wikipedia")
@@ -416,8 +406,8 @@ def test_run_is_resumable_and_reported(tiny_lm, sources, tmp_path, monkeypatch) 
     def refuse(*args, **kwargs):
         raise AssertionError("predict was called on a complete grid")
 
-    monkeypatch.setattr(ruler_run, "predict", refuse)
-    monkeypatch.setattr(ruler_run, "predict_together", refuse)
+    monkeypatch.setattr(ruler_predict, "predict", refuse)
+    monkeypatch.setattr(ruler_predict, "predict_together", refuse)
     run()
     assert made_from == [1]
 
@@ -528,8 +518,8 @@ def test_bounded_cache_sizes_by_protocol(tiny64, prompt_ids, monkeypatch, protoc
     model, tok = tiny64
     head, tail = prompt_ids
     made, at_generate = [], []
-    real_make, real_generate = ruler_run.make_cache, model.generate
-    monkeypatch.setattr(ruler_run, "make_cache", lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
+    real_make, real_generate = ruler_predict.make_cache, model.generate
+    monkeypatch.setattr(ruler_predict, "make_cache", lambda *a, **k: made.append(real_make(*a, **k)) or made[-1])
     monkeypatch.setattr(model, "generate", lambda **k: at_generate.append(made[0].slot_counts()) or real_generate(**k))
     _, n, first, total = predict(model, tok, head, tail, Setting(protocol, "h2o", 0.5), 6)
     assert n == 6 and 0 < first <= total
@@ -557,7 +547,7 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
         assert (text, n) == predict(model, tok, head, tail, setting, 6)[:2], setting.key
         assert 0 < first <= total_s
     (sample,) = generate_samples("niah_single_1", 200, 1, Prompter(tok), sources)
-    monkeypatch.setattr(ruler_run, "max_new_tokens", lambda task: 6)
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 6)
     answered = dict(answer(model, tok, sample, (head, tail), settings))
     assert list(answered) == shared + [s for s in settings if s.policy == "topk_oracle"]
     for setting, (text, n, *_) in zip(shared, got, strict=True):
@@ -571,8 +561,8 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     groups = setting_groups(model, shared, (head, tail), 6, whole // 3)
     assert 3 <= len(groups) < len(shared) and [s for group in groups for s in group] == shared
     calls = []
-    together = ruler_run.predict_together
-    monkeypatch.setattr(ruler_run, "predict_together", lambda *a: calls.append(len(a[4])) or together(*a))
+    together = ruler_predict.predict_together
+    monkeypatch.setattr(ruler_predict, "predict_together", lambda *a: calls.append(len(a[4])) or together(*a))
     grouped = dict(answer(model, tok, sample, (head, tail), shared, kv_memory=whole // 3))
     assert calls == [len(group) for group in groups]
     assert {s: (a["text"], a["answer_tokens"]) for s, a in grouped.items()} == {

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from ray_support import in_loopback
 
+import kvsieve.ruler.predict as ruler_predict
 import kvsieve.ruler.run as ruler_run
 from kvsieve.cli import main
 from kvsieve.evaluation import ray_sweep
@@ -50,7 +51,7 @@ def in_process(tiny_dir, sources, tmp_path_factory) -> dict[str, Any]:
     grid = GridSettings(model=tiny_dir, dtype="float32", seed=0, haystack="wikipedia")
     out = tmp_path_factory.mktemp("in_process")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ruler_run, "max_new_tokens", _cap)
+        patch.setattr(ruler_predict, "max_new_tokens", _cap)
         run_ruler(model, tokenizer, out, lambda: sources, grid, TASKS, [LENGTH], SETTINGS, SAMPLES, progress=False)
     return {"model": model, "tokenizer": tokenizer, "grid": grid, "out": out}
 
@@ -87,7 +88,7 @@ def _fake_ray(monkeypatch, model, tokenizer) -> dict[str, Any]:
 
     monkeypatch.setattr(ray_sweep, "ray_tasks", ray_tasks)
     monkeypatch.setattr(ruler_run, "_worker_model", worker_model)
-    monkeypatch.setattr(ruler_run, "max_new_tokens", _cap)
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", _cap)
     return seen
 
 
@@ -186,8 +187,8 @@ log, cap = sys.argv[1], int(sys.argv[2])
 
 def worker_setup():
     import kvsieve.models
-    import kvsieve.ruler.run as run
-    run.max_new_tokens = lambda task: cap
+    import kvsieve.ruler.predict as predict
+    predict.max_new_tokens = lambda task: cap
     load = kvsieve.models.load_model
     def logged(*args, **kwargs):
         with open(log, "a") as f:
