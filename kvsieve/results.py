@@ -7,7 +7,8 @@ A page (README.md, docs/*.md) holds blocks::
     <!-- /results -->
 
 ``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json`` or ``kvsieve
-bench --json`` (with or without a preset) printed, or ``scripts/ruler_cost.py --out`` wrote; each carries its
+bench --json`` (with or without a preset) printed, or ``scripts/ruler_cost.py --out`` or ``scripts/serve_soak.py --out``
+wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`). ``python -m kvsieve.results [PAGE ...]`` renders every block
 of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
@@ -157,10 +158,36 @@ def _ruler_cost(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _serve_soak(result: dict[str, Any]) -> str:
+    req, t, rss, kv, down = (result[k] for k in ("requests", "throughput", "rss_mib", "kv_bytes", "shutdown"))
+    prompts, latency, first = result["prompt_tokens"], result["latency_s"], result["first_chunk_s"]
+    by_result = ", ".join(f"{name} {count:,}" for name, count in sorted(req["by_result"].items()))
+    rows = [
+        ["requests", f"{req['sent']:,} in {t['seconds']:,.0f} s ({by_result})"],
+        ["of which", f"{req['malformed']:,} malformed, {req['streamed']:,} streamed, {req['several_choices']:,} "
+         "with `n` of 2 or 3"],
+        ["prompt tokens", f"p50 {prompts['p50']:,.0f}, max {prompts['max']:,} ({prompts['over_2048']} over 2,048)"],
+        ["throughput", f"{t['requests_per_s']:.2f} requests/s, {t['tokens_per_s']:.1f} generated tokens/s"],
+        ["latency p50 / p99", f"{latency['p50']:.2f} / {latency['p99']:.2f} s"],
+        ["first chunk p50 / p99", f"{first['p50']:.2f} / {first['p99']:.2f} s"],
+        ["server RSS start / warm / middle / end", f"{rss['start']:.0f} / {rss['warm']:.0f} / {rss['middle']:.0f} / "
+         f"{rss['end']:.0f} MiB (after warm-up at most {rss['growth_after_warm']:+.1%})"],
+        ["KV bytes held at most", f"{kv['held_max'] / MIB:.1f} MiB of a {kv['cap'] / MIB:.0f} MiB cap (reserved at "
+         f"most {kv['reserved_max_polled'] / MIB:.1f} MiB)"],
+        ["SIGTERM under load", f"{down['completed']} of {down['streams']} streams completed, the server ended "
+         f"{down['seconds_after_signal']:.1f} s after the signal (exit {down['exit_code']})"],
+    ]  # fmt: skip
+    marks = {True: "passes", False: "**fails**", None: "not judged"}
+    checks = "".join(f"\n- `{name}`: {marks[value]}" for name, value in result["checks"].items())
+    return md_table(["", "measured"], rows) + checks + "\n"
+
+
 def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
     program, command = result["provenance"]["command"][:2]
     if Path(program).name == "ruler_cost.py":
         return _ruler_cost
+    if Path(program).name == "serve_soak.py":
+        return _serve_soak
     if command == "compare":
         return _compare
     if command == "bench" and "stream_engine" in result:

@@ -12,6 +12,8 @@ from types import ModuleType
 import httpx
 import pytest
 
+from kvsieve.results import render_file
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_soak.py"
 
 
@@ -49,6 +51,9 @@ def test_a_short_soak_accounts_for_every_request_and_drains_on_sigterm(soak, tin
     assert 0 < rss["start"] <= rss["max_after_warm"] and rss["end"] > 0
     assert report["throughput"]["tokens_per_s"] > 0 and report["latency_s"]["p50"] <= report["latency_s"]["p99"]
     assert report["health_polls"]["failed"] == 0 and report["provenance"]["command"][0] == "scripts/serve_soak.py"
+    page = render_file(out)
+    assert f"| requests | {requests['sent']:,} in " in page and "- `none_lost`: passes" in page
+    assert "- `rss_flat`: not judged" in page and "scripts/serve_soak.py --model" in page
 
 
 @pytest.mark.parametrize(
