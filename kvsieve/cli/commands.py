@@ -453,7 +453,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
         import uvicorn
 
         from kvsieve.server.app import build_app
-        from kvsieve.server.scheduler import KVSpec
+        from kvsieve.server.jobs import KVSpec
     except ImportError as err:
         missing = f"kvsieve serve needs the serve extra ({err.name} is missing)"
         raise ValueError(f"{missing}: pip install 'kvsieve[serve]'") from None

@@ -40,18 +40,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.engine.budget import parse_budget
 from kvsieve.server.decoding import Sampler, TokenLogprob
+from kvsieve.server.jobs import Delta, Event, Finished, Job, KVSpec, Overloaded, RequestError, Scored
 from kvsieve.server.metrics import Metrics
-from kvsieve.server.scheduler import (
-    Delta,
-    Event,
-    Finished,
-    Job,
-    KVSpec,
-    Overloaded,
-    RequestError,
-    Scheduler,
-    Scored,
-)
+from kvsieve.server.scheduler import Scheduler
 from kvsieve.server.schemas import (
     ChatRequest,
     CompletionRequest,

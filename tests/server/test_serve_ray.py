@@ -56,7 +56,7 @@ def in_process(tiny_dir) -> dict[str, Any]:
 
     from kvsieve.models import load_model
     from kvsieve.server.app import build_app
-    from kvsieve.server.scheduler import KVSpec
+    from kvsieve.server.jobs import KVSpec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

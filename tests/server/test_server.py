@@ -21,7 +21,7 @@ import kvsieve
 from kvsieve.engine.memory import reservation
 from kvsieve.server.app import build_app
 from kvsieve.server.decoding import TextStream
-from kvsieve.server.scheduler import KVSpec
+from kvsieve.server.jobs import KVSpec
 
 NAME = "tiny"
 PROMPTS = [

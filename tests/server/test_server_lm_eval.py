@@ -15,7 +15,7 @@ import pytest
 import yaml
 from test_server import NAME, serve  # noqa: F401 (serve: the live-server fixture)
 
-from kvsieve.server.scheduler import KVSpec
+from kvsieve.server.jobs import KVSpec
 
 TASK = "kvsieve_cause_and_effect_two_sentences"
 LIMIT = 8
