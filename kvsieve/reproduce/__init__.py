@@ -3,8 +3,9 @@ whose claims table is computed from the measured numbers.
 
 - :mod:`~kvsieve.reproduce.claims`: the measured numbers (:class:`~kvsieve.reproduce.claims.Results`) and the
   claims, each a small predicate over them;
-- :mod:`~kvsieve.reproduce.experiments`: the kinds of experiment (a sweep grid, an analysis, rolling streams, a
-  needle grid, kept positions), each resumable under ``OUT/<experiment>/``;
+- :mod:`~kvsieve.reproduce.experiments`: the kinds of experiment (a sweep grid; cell experiments, with an analysis,
+  rolling streams, a needle grid and kept positions in :mod:`~kvsieve.reproduce.cells`), each resumable under
+  ``OUT/<experiment>/``;
 - :mod:`~kvsieve.reproduce.runner`: runs a paper's plan and writes ``report.md`` and ``results.json``;
 - one module per paper (:mod:`~kvsieve.reproduce.h2o`, :mod:`~kvsieve.reproduce.scissorhands`,
   :mod:`~kvsieve.reproduce.ahakv`) with ``plan(quick) -> Plan``: its experiments and claims.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+from kvsieve.reproduce.cells import Analysis, Needle, PrefillPositions
 from kvsieve.reproduce.claims import (
     Claim,
     accuracy_close,
@@ -15,7 +16,7 @@ from kvsieve.reproduce.claims import (
     main_effect,
     needle_at_least,
 )
-from kvsieve.reproduce.experiments import Analysis, Grid, Needle, PrefillPositions
+from kvsieve.reproduce.experiments import Grid
 from kvsieve.reproduce.h2o import MC_TASKS
 from kvsieve.reproduce.runner import Plan, View, side_by_side
 

@@ -3,6 +3,7 @@ NeurIPS 2023, arXiv:2306.14048): its motivating analyses, ablations and evaluati
 
 from __future__ import annotations
 
+from kvsieve.reproduce.cells import Analysis, Needle, Rolling
 from kvsieve.reproduce.claims import (
     ALMOST_ALL,
     MOST,
@@ -16,7 +17,7 @@ from kvsieve.reproduce.claims import (
     power_law,
     rolling_at_most,
 )
-from kvsieve.reproduce.experiments import Analysis, Grid, Needle, Rolling
+from kvsieve.reproduce.experiments import Grid
 from kvsieve.reproduce.runner import Plan
 
 TITLE = "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (Zhang et al., NeurIPS 2023)"

@@ -4,8 +4,9 @@ and the layer-wise budget, on the default model."""
 
 from __future__ import annotations
 
+from kvsieve.reproduce.cells import Analysis
 from kvsieve.reproduce.claims import MOST, Claim, accuracy_close, beats, layer_share, ppl_within
-from kvsieve.reproduce.experiments import Analysis, Grid
+from kvsieve.reproduce.experiments import Grid
 from kvsieve.reproduce.h2o import MC_TASKS
 from kvsieve.reproduce.runner import Plan
 
