@@ -1,34 +1,23 @@
-"""The stream protocol's sequential decisions as one compiled loop, for the rules a policy can state
-(:meth:`~kvsieve.policies.base.Policy.scan_rule`), on CPU, with numba (the ``fast`` extra; without it, or on
-another device, :mod:`kvsieve.engine.scan` steps through the run with torch ops).
-
-In a scanned run every query's logits are known before the first decision (:mod:`kvsieve.engine.scan`); what is
-left is, token by token: reveal the token's slot, softmax its query's logits over the slots held, add them to the
-scores, evict. With torch each of these is a dispatched op on a few hundred numbers, 80–160 µs per token and layer
-on this CPU; here the whole run is one call. The loops do what the torch scan does, in the same order: each query
-head's probabilities ``exp(l - max) / sum`` over the held slots, the group's heads summed in order, then the
-policy's state updated; victims are chosen with ``torch.argmin``'s tie rule (the first lowest) or, for several at
-once, as the set ``torch.topk`` returns. Padding is handled as the torch scan handles it (padding slots go first, a
-padding query observes nothing and sees every slot) under a :class:`~kvsieve.engine.rules.ScoreRule`; a
-:class:`~kvsieve.engine.rules.LowMarks` or :class:`~kvsieve.engine.rules.FixedPriority` policy counts each row's
-tokens, so padded runs are never scanned for it.
-The exponentials (and AhaKV's logit multipliers, computed for the whole run at once) are not torch's vectorized
-ones, so scores may differ from the torch scan's in the last bits (tested: the same kept tokens and bitwise the same
-logits).
+"""A policy's rule (:mod:`kvsieve.engine.rules`) run as compiled loops on CPU, with numba (the ``fast`` extra;
+without it, or on another device, the policies' torch code runs). This module holds the decode step's kernels and
+what the stream protocol's scan loops (:mod:`kvsieve.engine.compiled_scan`) share with them; :func:`use_kernels` is
+what a cache's ``kernels`` option means.
 
 A decode step under a :class:`~kvsieve.engine.rules.ScoreRule` over real slots (:func:`compiled_decode`) takes the
 query's probabilities from torch's softmax (they weigh the values too) and does the rest of the policy's step in one
 call: the group sums added to the score, the victim chosen. While padding is held, the victim alone is chosen in one
 call where the policy's priorities take many small ops (:func:`compiled_victims`: SnapKV's pooling in position order,
-the h2o+ patterns' ranking).
+the h2o+ patterns' ranking). Victims are chosen with ``torch.argmin``'s tie rule (the first lowest).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
-from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScanRule, ScoreRule, drop_in_bulk
+from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScanRule, ScoreRule
 from kvsieve.policies.base import Slots
 
 try:
@@ -41,70 +30,20 @@ KERNELS = ("auto", "torch")
 is installed (``auto``), or the policies' torch code only (``torch``: the same decisions, the path of a GPU)."""
 _NO_ORDER = np.empty((0, 0, 0), dtype=np.int64)
 """What :func:`_decode_rule` gets for a rule without pooling (it reads no position order)."""
-_compiled = (lambda f: f) if numba is None else numba.njit(cache=True, nogil=True)
+_KERNELS: list = []
+"""Every kernel :func:`jit` compiled (what :func:`compilations` counts)."""
 
 
-@_compiled
-def _group_probs(
-    logits: np.ndarray,
-    pos: np.ndarray,
-    b: int,
-    h: int,
-    t: int,
-    probs: np.ndarray,
-    total: np.ndarray,
-    scale: float = 1.0,
-) -> int:
-    """``total`` (zeroed first) = the softmax over the held slots of query ``t``'s logits (times ``scale``), summed
-    over the group's heads in order; returns the number of slots held. (The query's own token is held.)"""
-    group, n = logits.shape[2], logits.shape[4]
-    own = n - logits.shape[3] + t
-    total[:] = 0
-    zero = total[0]  # (in the logits' dtype)
-    held = 0
-    for j in range(n):
-        held += pos[b, h, j] >= 0
-    for g in range(group):
-        for j in range(n):
-            probs[j] = logits[b, h, g, t, j] * scale
-        high = probs[own]
-        for j in range(n):
-            if pos[b, h, j] >= 0 and probs[j] > high:
-                high = probs[j]
-        mass = zero
-        for j in range(n):
-            e = np.exp(probs[j] - high) if pos[b, h, j] >= 0 else zero
-            probs[j] = e
-            mass += e
-        for j in range(n):
-            total[j] += probs[j] / mass
-    return held
+def jit(function: Callable) -> Callable:
+    """``function`` compiled by numba (cached on disk, without the GIL), or as it is without numba."""
+    if numba is None:
+        return function
+    kernel = numba.njit(cache=True, nogil=True)(function)
+    _KERNELS.append(kernel)
+    return kernel
 
 
-@_compiled
-def _reveal(pos: np.ndarray, gone: np.ndarray, b: int, h: int, t: int, position: int, real: bool) -> None:
-    """Reveal the run's ``t``-th slot (at ``position``, -1 for padding) and note what query ``t`` cannot see (a
-    padding query: nothing, it sees every slot)."""
-    n = pos.shape[2]
-    pos[b, h, n - gone.shape[2] + t] = position
-    for j in range(n):
-        gone[b, h, t, j] = real and pos[b, h, j] < 0
-
-
-_bulk_target = _compiled(drop_in_bulk)  # (the policies' own rule, compiled for the loops that call it)
-
-
-@_compiled
-def _evict_lowest(pos: np.ndarray, order: np.ndarray, b: int, h: int, count: int, kept: float | int) -> None:
-    """Evict the ``count`` slots of row ``b``, head ``h`` with the lowest ``order`` (``torch.topk``'s set; the first
-    lowest for one), marking them evicted in ``pos``; ``kept``: the order of a protected slot."""
-    for _ in range(count):
-        victim = np.argmin(order)
-        pos[b, h, victim] = -1
-        order[victim] = kept
-
-
-@_compiled
+@jit
 def _pattern_kept(
     pos: np.ndarray, b: int, h: int, last: int, pattern: tuple, kept: np.ndarray, rank: np.ndarray
 ) -> None:
@@ -132,7 +71,7 @@ def _pattern_kept(
             kept[j] = kept[j] or (rank[j] > lowest and rank[j] >= bar)
 
 
-@_compiled
+@jit
 def _position_order(pos: np.ndarray, b: int, h: int, last: int, ranked: np.ndarray, repair: bool) -> None:
     """``ranked`` = the slots of row ``b``, head ``h`` in position order (empty slots first). With ``repair``,
     ``ranked`` holds the order of the decode step before (whose victim's slot now holds the newest position,
@@ -162,7 +101,7 @@ def _position_order(pos: np.ndarray, b: int, h: int, last: int, ranked: np.ndarr
     ranked[:] = np.argsort(pos[b, h])
 
 
-@_compiled
+@jit
 def _pooled_victim(
     score: np.ndarray,
     pos: np.ndarray,
@@ -194,8 +133,8 @@ def _pooled_victim(
     return victim
 
 
-@_compiled
-def _victim(
+@jit
+def choose_victim(
     score: np.ndarray,
     pos: np.ndarray,
     padded: bool,
@@ -228,11 +167,12 @@ def _victim(
     return np.argmin(order)
 
 
-@_compiled
+@jit
 def _victims(
     score: np.ndarray, pos: np.ndarray, padded: bool, lasts: np.ndarray, pattern: tuple, pool: int, out: np.ndarray
 ) -> None:
-    """``out`` ``[B, H, 1]`` = :func:`_victim` of every row and head (a step's one eviction; ``lasts`` ``[B]``)."""
+    """``out`` ``[B, H, 1]`` = :func:`choose_victim` of every row and head (a step's one eviction; ``lasts``:
+    ``[B]``)."""
     n = pos.shape[2]
     kept = np.empty(n, dtype=np.bool_)
     rank = np.empty(n, dtype=np.int64)
@@ -240,10 +180,10 @@ def _victims(
     order = np.empty(n, dtype=np.float64)
     for b in range(pos.shape[0]):
         for h in range(pos.shape[1]):
-            out[b, h, 0] = _victim(score, pos, padded, b, h, lasts[b], pattern, pool, kept, rank, order, ranked)
+            out[b, h, 0] = choose_victim(score, pos, padded, b, h, lasts[b], pattern, pool, kept, rank, order, ranked)
 
 
-@_compiled
+@jit
 def _fixed_victims(
     priority: np.ndarray, pos: np.ndarray, padded: bool, lasts: np.ndarray, recent: int, out: np.ndarray
 ) -> None:
@@ -268,8 +208,8 @@ def _fixed_victims(
             out[b, h, 0] = victim
 
 
-@_compiled
-def _add_scores(score: np.ndarray, total: np.ndarray, b: int, accumulate: bool, across_heads: bool) -> None:
+@jit
+def add_scores(score: np.ndarray, total: np.ndarray, b: int, accumulate: bool, across_heads: bool) -> None:
     """Row ``b``'s ``score`` ``[B, H, N]`` plus (``accumulate``) or replaced by its query's group-summed
     probabilities ``total`` ``[H, N]`` (summed over the heads too, ``across_heads``: ``total`` changes)."""
     heads, n = total.shape
@@ -283,7 +223,7 @@ def _add_scores(score: np.ndarray, total: np.ndarray, b: int, accumulate: bool, 
             score[b, h, j] = score[b, h, j] + total[h, j] if accumulate else total[h, j]
 
 
-@_compiled
+@jit
 def _decode_rule(
     probs: np.ndarray,
     pos: np.ndarray,
@@ -312,16 +252,16 @@ def _decode_rule(
             for g in range(group):
                 for j in range(n):
                     total[h, j] += probs[b, h, g, j]
-        _add_scores(score, total, b, accumulate, across_heads)
+        add_scores(score, total, b, accumulate, across_heads)
         if evict:
             for h in range(heads):
                 own = ranked[b, h] if pool > 0 else rank  # (a rule without pooling has no position order)
-                victims[b, h, 0] = _victim(
+                victims[b, h, 0] = choose_victim(
                     score, pos, False, b, h, lasts[b], pattern, pool, kept, rank, order, own, True
                 )
 
 
-@_compiled
+@jit
 def _decode_marks(probs: np.ndarray, pos: np.ndarray, lasts: np.ndarray, low: np.ndarray, by_step: bool) -> None:
     """A decode step's marks under :class:`~kvsieve.engine.rules.LowMarks` (as one token of :func:`_low_marks`):
     ``probs`` ``[B, H, G, N]``, each row's query's probabilities over the slots in use (all held: no padding),
@@ -341,153 +281,17 @@ def _decode_marks(probs: np.ndarray, pos: np.ndarray, lasts: np.ndarray, low: np
                 low[b, h, j, column] = total[j] < bar
 
 
-@_compiled
-def _score_rule(
-    logits: np.ndarray,
-    pos: np.ndarray,
-    query_pos: np.ndarray,
-    lasts: np.ndarray,
-    pads: np.ndarray,
-    score: np.ndarray,
-    gone: np.ndarray,
-    scales: np.ndarray,
-    held: int,
-    limit: int,
-    accumulate: bool,
-    pattern: tuple,
-    across_heads: bool,
-    pool: int,
-) -> int:
-    """The run's decisions under a :class:`~kvsieve.engine.rules.ScoreRule` (``accumulate``, ``pattern``: its
-    ``kept`` pattern's fields, ``across_heads``, ``pool``): ``logits`` ``[B, H, G, c, N]``, ``pos`` ``[B, H, N]``
-    (the run's ``c`` slots last, hidden as -1; evicted slots become -1), ``query_pos`` ``[B, c]`` (-1: padding),
-    ``lasts`` ``[B, c]`` each row's newest position at each token, ``pads`` ``[B, H, N]`` the slots holding padding
-    (updated: they go first), ``score`` ``[B, H, N]`` (updated; a padding query observes zeros), ``gone``
-    ``[B, H, c, N]`` (filled: the slots each query could not see), ``scales`` ``[B, c]`` each query's logit
-    multiplier, ``held`` slots held before the run. Returns the slots held after it."""
-    bsz, heads, _, c, n = logits.shape
-    first = n - c
-    probs = np.empty(n, dtype=logits.dtype)
-    total = np.zeros((heads, n), dtype=logits.dtype)
-    order = np.empty(n, dtype=np.float64)
-    kept = np.empty(n, dtype=np.bool_)
-    rank = np.empty(n, dtype=np.int64)
-    ranked = np.empty(n, dtype=np.int64)
-    for t in range(c):
-        held += 1
-        for b in range(bsz):
-            real, last = query_pos[b, t] >= 0, lasts[b, t]
-            for h in range(heads):
-                _reveal(pos, gone, b, h, t, query_pos[b, t], real)
-                pads[b, h, first + t] = not real
-                if real:
-                    _group_probs(logits, pos, b, h, t, probs, total[h], scales[b, t])
-                else:
-                    total[h] = 0
-            _add_scores(score, total, b, accumulate, across_heads)
-            for h in range(heads):
-                if held <= limit:
-                    continue
-                victim = -1
-                for j in range(n):  # (padding first: the first slot holding it)
-                    if pads[b, h, j]:
-                        victim = j
-                        break
-                if victim < 0:
-                    victim = _victim(score, pos, False, b, h, last, pattern, pool, kept, rank, order, ranked)
-                pos[b, h, victim] = -1
-                pads[b, h, victim] = False
-        held = min(held, limit)
-    return held
-
-
-@_compiled
-def _low_marks(
-    logits: np.ndarray,
-    pos: np.ndarray,
-    query_pos: np.ndarray,
-    low: np.ndarray,
-    gone: np.ndarray,
-    held: int,
-    limit: int,
-    recent: int,
-    drop: int,
-    by_step: bool,
-) -> int:
-    """The run's decisions under :class:`~kvsieve.engine.rules.LowMarks` (as :func:`_score_rule`; ``low``
-    ``[B, H, N, window]``, updated)."""
-    bsz, heads, group, c, n = logits.shape
-    window = low.shape[3]
-    probs = np.empty(n, dtype=logits.dtype)
-    total = np.zeros(n, dtype=logits.dtype)
-    order = np.empty(n, dtype=np.float64)
-    for t in range(c):
-        held += 1
-        target = _bulk_target(held, limit, drop)
-        for b in range(bsz):
-            last = query_pos[b, t]
-            column = last % window
-            for h in range(heads):
-                _reveal(pos, gone, b, h, t, last, True)
-                attended = _group_probs(logits, pos, b, h, t, probs, total)
-                bar = np.float32(group) / np.float32(last + 1 if by_step else attended)
-                for j in range(n):
-                    low[b, h, j, column] = pos[b, h, j] >= 0 and total[j] < bar
-                if target == held:
-                    continue
-                for j in range(n):  # fewest marks first, then newest: pos - marks * (last + 1)
-                    protected = pos[b, h, j] < 0 or pos[b, h, j] > last - recent
-                    order[j] = np.inf if protected else pos[b, h, j] - low[b, h, j].sum() * (last + 1.0)
-                _evict_lowest(pos, order, b, h, held - target, np.inf)
-        held = target
-    return held
-
-
-@_compiled
-def _fixed_priority(
-    pos: np.ndarray,
-    query_pos: np.ndarray,
-    priority: np.ndarray,
-    gone: np.ndarray,
-    held: int,
-    limit: int,
-    recent: int,
-    drop: int,
-) -> int:
-    """The run's decisions under :class:`~kvsieve.engine.rules.FixedPriority` (as :func:`_score_rule`, without
-    logits; ``priority`` ``[B, H, N]`` int64)."""
-    bsz, heads, c, n = gone.shape
-    protected = np.iinfo(np.int64).max
-    order = np.empty(n, dtype=np.int64)
-    start = held
-    for b in range(bsz):  # (nothing is observed: each row and head goes through the run on its own)
-        for h in range(heads):
-            held = start
-            for t in range(c):
-                last = query_pos[b, t]
-                _reveal(pos, gone, b, h, t, last, True)
-                target = _bulk_target(held + 1, limit, drop)
-                if target <= held:
-                    for j in range(n):
-                        keep = pos[b, h, j] < 0 or (recent > 0 and pos[b, h, j] > last - recent)
-                        order[j] = protected if keep else priority[b, h, j]
-                    _evict_lowest(pos, order, b, h, held + 1 - target, protected)
-                held = target
-    return held
-
-
-def _fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
+def pattern_fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
     """A :class:`~kvsieve.engine.rules.Pattern`'s fields as the loops take them."""
     return pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span
 
 
 def compilations() -> int:
-    """How many kernels of this module this process compiled, rather than loaded from numba's on-disk cache (0
+    """How many kernels (:func:`jit`) this process compiled, rather than loaded from numba's on-disk cache (0
     without numba): what a run's first use costs, which timings report apart from decoding."""
     if numba is None:
         return 0
-    kernels = (k for k in globals().values() if isinstance(k, numba.core.registry.CPUDispatcher))
-    return sum(sum(kernel.stats.cache_misses.values()) for kernel in kernels)
+    return sum(sum(kernel.stats.cache_misses.values()) for kernel in _KERNELS)
 
 
 def use_kernels(kernels: str) -> bool:
@@ -537,7 +341,7 @@ def compiled_decode(
         victims.numpy(),
         evict,
         rule.accumulate,
-        _fields(rule.kept),
+        pattern_fields(rule.kept),
         rule.across_heads,
         rule.pool,
         _position_buffer(ranked, rule.pool, pos.shape),
@@ -575,59 +379,5 @@ def compiled_victims(
         )
         return out
     score, last = slots.state["score"].numpy(), slots.last.numpy()
-    _victims(score, pos.numpy(), padded, last, _fields(rule.kept), rule.pool, out.numpy())
+    _victims(score, pos.numpy(), padded, last, pattern_fields(rule.kept), rule.pool, out.numpy())
     return out
-
-
-def compiled_decide(
-    rule: ScanRule | None,
-    logits: torch.Tensor | None,
-    pos: torch.Tensor,
-    query_pos: torch.Tensor,
-    lasts: torch.Tensor,
-    pads: torch.Tensor | None,
-    state: dict[str, torch.Tensor],
-    held: int,
-    limit: int,
-) -> tuple[torch.Tensor, int] | None:
-    """A run's decisions by the compiled loop (see the module docstring; the arguments are
-    :func:`~kvsieve.engine.scan._decide`'s): what each query could not see ``[B, H, c, N]`` and the slots held after
-    the run; ``pos``, ``pads`` and the policy's state change in place. None when the loop does not apply (no rule,
-    no numba, not on CPU, more than one token over the limit, padding under a rule that does not count it) and the
-    torch scan decides."""
-    if rule is None or pos.device.type != "cpu" or held > limit:
-        return None
-    bsz, heads, n = pos.shape
-    gone = torch.empty((bsz, heads, query_pos.shape[1], n), dtype=torch.bool)
-    if isinstance(rule, FixedPriority):
-        if pads is not None:
-            return None
-        held = _fixed_priority(
-            pos.numpy(), query_pos.numpy(), state["priority"].numpy(), gone.numpy(), held, limit, rule.recent, rule.drop
-        )
-        return gone, held
-    if logits is None:
-        return None
-    run = logits.detach().numpy(), pos.numpy(), query_pos.numpy()
-    if isinstance(rule, ScoreRule):
-        padding = (torch.zeros_like(pos, dtype=torch.bool) if pads is None else pads).numpy()
-        scales = torch.ones(query_pos.shape) if rule.logit_scale is None else rule.logit_scale(query_pos)
-        held = _score_rule(
-            *run,
-            lasts.numpy(),
-            padding,
-            state["score"].numpy(),
-            gone.numpy(),
-            scales.float().numpy(),
-            held,
-            limit,
-            rule.accumulate,
-            _fields(rule.kept),
-            rule.across_heads,
-            rule.pool,
-        )
-    elif pads is None:
-        held = _low_marks(*run, state["low"].numpy(), gone.numpy(), held, limit, rule.recent, rule.drop, rule.by_step)
-    else:
-        return None
-    return gone, held

@@ -1,7 +1,7 @@
 """The rules a policy may state (:meth:`~kvsieve.policies.base.Policy.scan_rule`) so that the engine runs its
 decisions without calling it: the stream protocol's scan (:mod:`kvsieve.engine.scan`, compiled loops in
-:mod:`kvsieve.engine.compiled`) and a decode step's observation and victim. Each is tested against the policy's own
-``observe`` / ``n_keep`` / ``keep_scores``."""
+:mod:`kvsieve.engine.compiled_scan`) and a decode step's observation and victim (:mod:`kvsieve.engine.compiled`).
+Each is tested against the policy's own ``observe`` / ``n_keep`` / ``keep_scores``."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvsieve.engine.compiled import compiled_decide
+from kvsieve.engine.compiled_scan import compiled_decide
 from kvsieve.engine.eviction import shared_decision
 from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs, weighted_values

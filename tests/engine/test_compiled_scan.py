@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.engine import compiled
+from kvsieve.engine import compiled, compiled_scan
 from kvsieve.engine import step as step_module
 from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScoreRule
 from kvsieve.policies import REGISTRY
@@ -32,16 +32,18 @@ def _both(model, ids, policy, budget, monkeypatch, mask=None, **kwargs):
     """The stream with the compiled loop (and, for each run it decided, whether padding was held or came in it)
     and with the torch scan."""
     runs = []
-    loop = compiled._score_rule
+    loop = compiled_scan._score_rule
 
     def padded(query_pos, pads):  # (the loop's arguments: logits, pos, query_pos, lasts, pads, ...)
         return bool(pads.any() or (query_pos < 0).any())
 
-    monkeypatch.setattr(compiled, "_score_rule", lambda *args: runs.append(padded(args[2], args[4])) or loop(*args))
-    marks = compiled._low_marks
-    monkeypatch.setattr(compiled, "_low_marks", lambda *args: runs.append(False) or marks(*args))
-    fixed = compiled._fixed_priority
-    monkeypatch.setattr(compiled, "_fixed_priority", lambda *args: runs.append(False) or fixed(*args))
+    monkeypatch.setattr(
+        compiled_scan, "_score_rule", lambda *args: runs.append(padded(args[2], args[4])) or loop(*args)
+    )
+    marks = compiled_scan._low_marks
+    monkeypatch.setattr(compiled_scan, "_low_marks", lambda *args: runs.append(False) or marks(*args))
+    fixed = compiled_scan._fixed_priority
+    monkeypatch.setattr(compiled_scan, "_fixed_priority", lambda *args: runs.append(False) or fixed(*args))
     fast = _streamed(model, ids, policy, budget, mask, **kwargs)
     slow = _streamed(model, ids, policy, budget, mask, kernels="torch", **kwargs)
     return fast, slow, runs
