@@ -172,6 +172,9 @@ def _serve_soak(result: dict[str, Any]) -> str:
         ["first chunk p50 / p99", f"{first['p50']:.2f} / {first['p99']:.2f} s"],
         ["server RSS start / warm / middle / end", f"{rss['start']:.0f} / {rss['warm']:.0f} / {rss['middle']:.0f} / "
          f"{rss['end']:.0f} MiB (after warm-up at most {rss['growth_after_warm']:+.1%})"],
+        *([["RSS beyond the KV held (median)", f"{rss['beyond_kv_after_warm']:.0f} MiB after warm-up, "
+            f"{rss['beyond_kv_last']:.0f} MiB over the last fifth ({rss['beyond_kv_growth']:+.1%})"]]
+          if rss.get("beyond_kv_growth") is not None else []),
         ["KV bytes held at most", f"{kv['held_max'] / MIB:.1f} MiB of a {kv['cap'] / MIB:.0f} MiB cap (reserved at "
          f"most {kv['reserved_max_polled'] / MIB:.1f} MiB)"],
         ["SIGTERM under load", f"{down['completed']} of {down['streams']} streams completed, the server ended "

@@ -94,3 +94,21 @@ def test_prompts_are_typical_but_for_the_long_fraction(soak, long) -> None:
     assert min(lengths) >= 8 and max(lengths) <= 4096 - args.max_tokens - soak.CHAT_MARGIN
     long_ones = sum(length > 100 for length in lengths)
     assert long_ones == 0 if long == 0 else 100 < long_ones < 300
+
+
+def _polls(beyond: list[float], held: list[float]) -> list[dict]:
+    pairs = enumerate(zip(beyond, held, strict=True))
+    return [{"t": float(t), "rss_mib": b + h, "held": h * 2**20} for t, (b, h) in pairs]
+
+
+def test_memory_is_flat_when_only_the_kv_held_and_brief_spikes_move_it(soak) -> None:
+    """RSS that follows the KV bytes held, with a prefill's brief spike, is flat; memory beyond the KV that grows
+    over the run is not."""
+    held = [50.0 + 400.0 * (t % 20 < 5) for t in range(100)]
+    beyond = [1300.0] * 100
+    beyond[90] = 1800.0  # (a long prompt's prefill)
+    flat = soak.memory(_polls(beyond, held))
+    assert flat["flat"] is True and flat["growth_after_warm"] > 0.05 and flat["beyond_kv_growth"] == 0.0
+    leaking = soak.memory(_polls([1300.0 + 2.0 * t for t in range(100)], held))
+    assert leaking["flat"] is False and leaking["beyond_kv_growth"] > 0.05
+    assert soak.memory(_polls([1300.0] * 20, held[:20]))["flat"] is None  # (20 s: too short to judge)
