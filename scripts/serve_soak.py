@@ -10,10 +10,12 @@ drawn with ``--seed``: ``/v1/completions`` (token ids) and, if the model has a c
 log-uniform lengths up to ``--typical`` tokens, a ``--long`` fraction of them up to the model's window (a long
 prompt's prefill takes a 2-core CPU a minute), cut from the built-in Wikipedia text; greedy or seeded sampling;
 streamed or not; ``n`` of 2 or 3 (``--multiple``); streams closed after a few chunks (``--disconnect``); malformed
-bodies (``--malformed``: broken JSON, unknown fields, out-of-range values, an unknown policy or model...). Every
-second it reads ``/metrics``, ``/health`` and the server's RSS (``VmRSS`` of ``/proc/PID/status``). Last, it starts
-a few long streams and sends the server SIGTERM while they run: uvicorn stops listening, lets the running responses
-finish, then stops the app (and re-raises the signal: the process ends by SIGTERM, or exits 0).
+bodies (``--malformed``: broken JSON, unknown fields, out-of-range values, an unknown policy or model...). Before the
+load it sends each policy one request with the longest prompt the load may send (``--no-warm-up``: none), so that the
+server's memory is judged after its largest buffers exist. Every second it reads ``/metrics``, ``/health`` and the
+server's RSS (``VmRSS`` of ``/proc/PID/status``). Last, it starts a few long streams and sends the server SIGTERM while
+they run: uvicorn stops listening, lets the running responses finish, then stops the app (and re-raises the signal: the
+process ends by SIGTERM, or exits 0).
 
 The report (printed; ``--out FILE``: JSON with the provenance): throughput, p50/p99 latency and time to the first
 chunk, the server's RSS at start, after warm-up (the first 20 % of the run), middle and end, the most KV bytes held
@@ -524,13 +526,28 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base: str) -> d
         ids = (await http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()["tokens"]
     ids = ids * math.ceil((window + 1) / len(ids))  # (at least a window of tokens)
     mix = Mix(args, model, window, ids, text, chat)
+    warm = await warm_up(base, model, args, ids[: window - args.max_tokens - CHAT_MARGIN]) if args.warm_up else None
     outcomes, samples, seconds = await load(base, mix, args, proc.pid)
     async with httpx.AsyncClient(base_url=base, timeout=120) as http:
         probe = {"model": model, "prompt": ids[:16], "max_tokens": 4}
         answered_after = (await http.post("/v1/completions", json=probe)).status_code == 200
         after = {"answered": answered_after, "metrics": gauges((await http.get("/metrics")).text)}
     shutdown = await drain(base, proc, model, ids[:32], min(256, window - 32))
-    return report(args, outcomes, samples, seconds, after, shutdown)
+    return report(args, outcomes, samples, seconds, after, shutdown) | {"warm_up": warm}
+
+
+async def warm_up(base: str, model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    """One request per policy with the longest prompt the load may send, one after the other, before the load: the
+    server's buffers reach the size its largest requests need before its memory is judged."""
+    started = time.perf_counter()
+    statuses = []
+    async with httpx.AsyncClient(base_url=base, timeout=args.timeout) as http:
+        for policy in args.policies:
+            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "kv_policy": policy}
+            body |= {} if policy.startswith("full") else {"kv_budget": 256}
+            statuses.append((await http.post("/v1/completions", json=body)).status_code)
+    return {"requests": len(statuses), "prompt_tokens": len(prompt), "statuses": statuses,
+            "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -573,6 +590,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=2048, help="positions, if the model states none (default 2048)")
     p.add_argument("--timeout", type=float, default=600, help="seconds a request may take (default 600)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-warm-up", dest="warm_up", action="store_false", help="skip the longest prompt per policy first"
+    )
     p.add_argument("--out", type=Path, help="write the report here (JSON)")
     args = p.parse_args(argv)
     args.argv = argv

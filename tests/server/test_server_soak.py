@@ -51,6 +51,9 @@ def test_a_short_soak_accounts_for_every_request_and_drains_on_sigterm(soak, tin
     assert 0 < rss["start"] <= rss["max_after_warm"] and rss["end"] > 0
     assert report["throughput"]["tokens_per_s"] > 0 and report["latency_s"]["p50"] <= report["latency_s"]["p99"]
     assert report["health_polls"]["failed"] == 0 and report["provenance"]["command"][0] == "scripts/serve_soak.py"
+    warm = report["warm_up"]  # (the longest prompt per policy, answered before the load)
+    assert warm["requests"] == len(policies) and set(warm["statuses"]) == {200}
+    assert warm["prompt_tokens"] >= report["prompt_tokens"]["max"]
     page = render_file(out)
     assert f"| requests | {requests['sent']:,} in " in page and "- `none_lost`: passes" in page
     assert "- `rss_flat`: not judged" in page and "scripts/serve_soak.py --model" in page
