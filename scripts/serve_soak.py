@@ -135,6 +135,10 @@ class Mix:
         self.bad = malformed_bodies(model, window)
         self.chars_per_token = len(text) / len(ids)
 
+    def room(self, max_tokens: int) -> int:
+        """The longest prompt a request for ``max_tokens`` tokens may have (the chat template's margin left)."""
+        return self.window - max_tokens - CHAT_MARGIN
+
     def plan(self) -> Plan:
         rng, args = self.rng, self.args
         if rng.random() < args.malformed:
@@ -148,7 +152,7 @@ class Mix:
             budget = body["kv_budget"] = rng.choice(BUDGETS)
             if policy.startswith("streaming_llm") and not isinstance(budget, int):  # (its 4 sink tokens must fit)
                 shortest = math.ceil(8 / (float(budget.rstrip("%")) / 100 if isinstance(budget, str) else budget))
-        room = self.window - max_tokens - CHAT_MARGIN
+        room = self.room(max_tokens)
         top = max(shortest, room if rng.random() < args.long else min(room, args.typical))
         length = round(math.exp(rng.uniform(math.log(shortest), math.log(top))))  # (log-uniform)
         if rng.random() < 0.5:
@@ -526,7 +530,7 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base: str) -> d
         ids = (await http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()["tokens"]
     ids = ids * math.ceil((window + 1) / len(ids))  # (at least a window of tokens)
     mix = Mix(args, model, window, ids, text, chat)
-    warm = await warm_up(base, model, args, ids[: window - args.max_tokens - CHAT_MARGIN]) if args.warm_up else None
+    warm = await warm_up(base, model, args, ids[: mix.room(1)]) if args.warm_up else None
     outcomes, samples, seconds = await load(base, mix, args, proc.pid)
     async with httpx.AsyncClient(base_url=base, timeout=120) as http:
         probe = {"model": model, "prompt": ids[:16], "max_tokens": 4}
@@ -537,13 +541,14 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base: str) -> d
 
 
 async def warm_up(base: str, model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
-    """One request per policy with the longest prompt the load may send, one after the other, before the load: the
-    server's buffers reach the size its largest requests need before its memory is judged."""
+    """One request per policy with the longest prompt the load may send (``prompt``: the room of a one-token answer,
+    which it asks for), one after the other, before the load: the server's buffers reach the size its largest
+    requests need before its memory is judged."""
     started = time.perf_counter()
     statuses = []
     async with httpx.AsyncClient(base_url=base, timeout=args.timeout) as http:
         for policy in args.policies:
-            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "kv_policy": policy}
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "kv_policy": policy}
             body |= {} if policy.startswith("full") else {"kv_budget": 256}
             statuses.append((await http.post("/v1/completions", json=body)).status_code)
     return {"requests": len(statuses), "prompt_tokens": len(prompt), "statuses": statuses,
