@@ -72,8 +72,8 @@ class SieveLayer(CacheLayerMixin):
         self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
         self.recording: Recording | None = None
         self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
-        self.victims: torch.Tensor | None = None  # [B, H, 1]: where compiled steps write victims (_victims_buffer)
-        self.ranked: torch.Tensor | None = None  # [B, H, N]: the slots in position order (_ranked_buffer)
+        self.victims: torch.Tensor | None = None  # [B, H, 1]: compiled steps write victims here (victims_buffer)
+        self.ranked: torch.Tensor | None = None  # [B, H, N]: the slots in position order (ranked_buffer)
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
