@@ -195,6 +195,11 @@ def sieve_mask(*, fallback: str, **kwargs: Any) -> Any:
         dense = ALL_MASK_ATTENTION_FUNCTIONS.get(fallback)
         return None if dense is None else dense(**kwargs)  # (transformers passes no mask to unlisted kernels)
     padding = kwargs.get("attention_mask")
+    if padding is not None and torch.compiler.is_compiling():
+        raise ValueError(
+            "a compiled step over a kvsieve cache takes no attention_mask (whether a row holds padding is read on "
+            "the host); run steps with a mask eagerly"
+        )
     if padding is not None:
         padding = padding.to(torch.bool)
         if bool(padding.all()):

@@ -60,7 +60,7 @@ class SieveLayer(CacheLayerMixin):
         self.plan, self.memo = plan, memo
         self.layer_idx = layer_idx
         self.is_sliding = is_sliding
-        self.kernels = kernels  # whether steps run the compiled loops where they apply (kvsieve.engine.compiled)
+        self.numba = kernels  # whether eager steps run the compiled loops where they apply (kvsieve.engine.compiled)
         self.policy: Policy | None = None
         self.newest: torch.Tensor | None = None  # [B] position of each row's newest real token (-1: none yet)
         self.tokens_seen = 0  # padding included: positions of the model are derived from it
@@ -74,6 +74,12 @@ class SieveLayer(CacheLayerMixin):
         self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
         self.victims: torch.Tensor | None = None  # [B, H, 1]: compiled steps write victims here (victims_buffer)
         self.ranked: torch.Tensor | None = None  # [B, H, N]: the slots in position order (ranked_buffer)
+
+    @property
+    def kernels(self) -> bool:
+        """Whether this step runs the compiled loops where they apply: as the cache was made (``kernels``), in eager
+        steps; never under ``torch.compile``, which traces the policies' torch code (the same decisions)."""
+        return self.numba and not torch.compiler.is_compiling()
 
     # -- transformers' layer contract ---------------------------------------------------------------------------
 
@@ -219,6 +225,8 @@ class SieveLayer(CacheLayerMixin):
         evicted before the next. While recording, the tokens after a prompt are kept, with the layer's state before
         the first of them, until :meth:`crop`.
         """
+        if self.codec is not PLAIN and torch.compiler.is_compiling():
+            raise ValueError("a compiled step over quantized slots is not supported; run it eagerly")
         (new_keys, new_values), self.pending = self.pending, None
         q = new_keys.shape[2]
         # The step's first tokens that are a prompt: all of a first step, unless set_prompt_length said fewer.

@@ -6,7 +6,7 @@ step and share: every layer sees the same tokens, so the positions of a one-chun
 computed by the first layer; layers whose policy is positional, of the same class, parameters and budget hold the
 same positions at every step, so they evict the same slots: the first of them decides, the others take it. A
 decision is kept until every layer of its group has taken it: a scanned stream makes several in one step, each layer
-making all of its own before the next layer starts.
+making all of its own before the next layer starts. A compiled step shares nothing (:func:`_shares`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, TypeVar
+
+import torch
 
 from kvsieve.engine.budget import Budget, check_budget, resolve_budget
 from kvsieve.engine.schedules import split_budget
@@ -132,6 +134,13 @@ class PolicyPlan:
             self.budget_tokens = None
 
 
+def _shares() -> bool:
+    """Whether the layers share what they compute: in eager steps only. Under ``torch.compile`` each layer computes
+    its own (the same values: the compiler sees the ops twice), since checking a stamp would read the step's Python
+    counters, which a compiled step must not depend on: it would be traced again at every step."""
+    return not torch.compiler.is_compiling()
+
+
 class StepMemo:
     """What the layers of one cache compute once per step and share (see the module docstring)."""
 
@@ -143,6 +152,8 @@ class StepMemo:
     def share(self, what: Hashable, stamp: Hashable, make: Callable[[], T]) -> T:
         """``make()``, or the value of ``what`` that another layer already made under the same ``stamp`` (the
         latest value of each ``what`` is kept)."""
+        if not _shares():
+            return make()
         made = self._made.get(what)
         if made is None or made[0] != stamp:
             made = self._made[what] = (stamp, make())
@@ -152,6 +163,8 @@ class StepMemo:
         """``make()``, or the value of ``what`` that another layer already made from the very object ``source`` (a
         decision the layers share: :meth:`decide`). The latest of each ``what`` is kept with its source, which it
         therefore keeps alive: no later object can be taken for it."""
+        if not _shares():
+            return make()
         made = self._derived.get(what)
         if made is None or made[0] is not source:
             made = self._derived[what] = (source, make())
@@ -161,7 +174,7 @@ class StepMemo:
         """``choose()``, or the decision another layer of positional ``group`` (of ``members`` layers) made for the
         same eviction round (the layers of a group run the same rounds); a layer of no group always chooses itself.
         The decision is forgotten once all ``members`` took it."""
-        if group is None or members == 1:
+        if group is None or members == 1 or not _shares():
             return choose()
         key = (group, round_)
         entry = self._decisions.get(key)
