@@ -57,8 +57,8 @@ def evict(layer: SieveLayer, slots: Slots, victim: torch.Tensor | None = None) -
 def shared_decision(layer: SieveLayer, round_: Hashable, choose: Callable[[], T]) -> T:
     """``choose()``, or the decision the layer's positional group made for eviction round ``round_``
     (:meth:`~kvsieve.engine.plan.StepMemo.decide`)."""
-    group = layer.plan.groups[layer.layer_idx]
-    return layer.memo.decide(group, round_, choose, layer.plan.group_sizes[group])
+    i = layer.layer_idx
+    return layer.memo.decide(layer.plan.groups[i], round_, choose, layer.plan.members[i])
 
 
 def keep_scores(layer: SieveLayer, slots: Slots) -> torch.Tensor:

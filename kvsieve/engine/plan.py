@@ -62,8 +62,8 @@ class PolicyPlan:
         self.budget_tokens: int | None = None
         self.groups: list[Hashable | None] = []
         """Per layer: the key of its positional group (layers deciding alike), None when it decides alone."""
-        self.group_sizes: Counter[Hashable | None] = Counter()
-        """Layers in each positional group."""
+        self.members: list[int] = []
+        """Per layer: how many layers its positional group has (1 when it decides alone)."""
         self._policies: list[Policy] | None = None
         if not self._ratio:
             self.resolve(0)
@@ -93,7 +93,8 @@ class PolicyPlan:
                 (cls, id(params), policy.budget) if policy.positional else None
                 for (cls, params, _), policy in zip(self.layer_policies, policies, strict=True)
             ]
-            self.group_sizes = Counter(self.groups)
+            sizes = Counter(self.groups)
+            self.members = [1 if group is None else sizes[group] for group in self.groups]
             self.budget_tokens = tokens
             self.growth = self._growth(tokens, prompt_len)
         return self._policies

@@ -69,12 +69,13 @@ def _decode(model, policy: str, ids: torch.Tensor, forward, steps: int) -> list[
 def test_a_kvsieve_decode_step_at_the_budget_compiles_as_one_graph(llama_gqa, make_ids, policy) -> None:
     """``torch.compile(model.forward, fullgraph=True)`` over a kvsieve cache at its budget gives the eager tokens,
     and is traced twice in all: once with the step's counters as constants, once with them symbolic (no retrace at
-    later steps)."""
+    later steps, nor for another cache of the same policy)."""
     ids = make_ids(2, 8)  # (shorter than the budget: eager steps fill the cache first)
     eager = _decode(llama_gqa, policy, ids, llama_gqa.forward, 8)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(llama_gqa.forward, fullgraph=True, backend=counter)
     assert _decode(llama_gqa, policy, ids, compiled, 8) == eager
+    assert _decode(llama_gqa, policy, ids, compiled, 4) == [row[:4] for row in eager]
     assert counter.frame_count == 2
 
 
