@@ -185,12 +185,35 @@ def _serve_soak(result: dict[str, Any]) -> str:
     return md_table(["", "measured"], rows) + checks + "\n"
 
 
+def _compiled_decode(result: dict[str, Any]) -> str:
+    settings = result["settings"]
+    rows = [
+        [
+            f"`{r['policy']}`",
+            f"{r['eager_step_ms']:.1f}",
+            f"{r['compiled_step_ms']:.1f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['traces']} in {r['warm_up_with_traces_s']:.0f} s",
+            "same" if r["same_tokens"] else f"differ from step {r['first_difference']}",
+        ]
+        for r in result["results"]
+    ]
+    header = ["cache", "eager ms/step", "compiled ms/step", "speed-up", "traces", "greedy tokens"]
+    note = (
+        f"Prompt {settings['prompt']:,} tokens, kvsieve caches at {settings['budget']:,}; medians of "
+        f"{settings['rounds']} rounds of {settings['steps']} steps each.\n"
+    )
+    return md_table(header, rows) + "\n" + note
+
+
 def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
     program, command = result["provenance"]["command"][:2]
     if Path(program).name == "ruler_cost.py":
         return _ruler_cost
     if Path(program).name == "serve_soak.py":
         return _serve_soak
+    if Path(program).name == "compiled_decode.py":
+        return _compiled_decode
     if command == "compare":
         return _compare
     if command == "bench" and "stream_engine" in result:

@@ -6,7 +6,8 @@ For each cache (default: h2o and streaming_llm at the budget, and transformers' 
 the prompt is prefilled eagerly, then ``--steps`` greedy decode steps are timed through the eager forward and through
 the compiled one, in rounds that alternate which goes first (a noisy machine drifts within seconds). The compiled
 forward is traced afresh for each cache and warmed up before it is timed: its traces (and their seconds) are reported
-apart. Prints the median step of each, their ratio, and whether the greedy tokens are the same.
+apart. Prints the median step of each, their ratio, and whether the greedy tokens are the same (``--out FILE``:
+JSON with the provenance, which ``python -m kvsieve.results`` renders in docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from kvsieve.benchmarks.runner import new_cache, next_token, prompt_tokens
 from kvsieve.models import load_model
+from kvsieve.provenance import provenance
 
 WARM_UP = 4
 """Decode steps before the timed ones (the first ones evict the prompt down to the budget, or trigger the traces)."""
@@ -74,7 +78,7 @@ def measure(model, policy: str, budget: int, ids: torch.Tensor, steps: int, roun
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--policies", nargs="+", default=["h2o", "streaming_llm", "dynamic_full"])
@@ -83,24 +87,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48, help="timed decode steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode, alternating which goes first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="also write the results as JSON, with their provenance")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     ids = prompt_tokens(tokenizer, args.prompt)[None].to(model.device)
-    results = [measure(model, p, args.budget, ids, args.steps, args.rounds) for p in args.policies]
-    if args.json:
-        print(json.dumps({"args": vars(args), "device": str(model.device), "results": results}, indent=1))
-        return
     print(f"{'cache':<16}{'eager ms':>10}{'compiled ms':>13}{'speed-up':>10}{'traces':>8}{'trace s':>9}  tokens")
-    for r in results:
+    results = []
+    for policy in args.policies:
+        r = measure(model, policy, args.budget, ids, args.steps, args.rounds)
+        results.append(r)
         same = "same" if r["same_tokens"] else f"differ from step {r['first_difference']}"
         print(
             f"{r['policy']:<16}{r['eager_step_ms']:>10.1f}{r['compiled_step_ms']:>13.1f}{r['speedup']:>9.2f}x"
-            f"{r['traces']:>8}{r['warm_up_with_traces_s']:>9.0f}  {same}"
+            f"{r['traces']:>8}{r['warm_up_with_traces_s']:>9.0f}  {same}",
+            flush=True,
         )
     print(f"({args.model}, prompt {args.prompt}, budget {args.budget}, {args.steps} steps x {args.rounds} rounds)")
+    if args.out:
+        report = {
+            "provenance": provenance(["scripts/compiled_decode.py", *argv], model=args.model, device=str(model.device)),
+            "settings": vars(args),
+            "results": results,
+        }
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
