@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -109,8 +109,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def next_token(model: PreTrainedModel, cache: Cache, ids: torch.Tensor) -> torch.Tensor:
-    """One forward step (greedy, the last position's logits only); returns the next tokens ``[B, 1]``."""
+def next_token(model: PreTrainedModel | Callable[..., Any], cache: Cache, ids: torch.Tensor) -> torch.Tensor:
+    """One forward step of ``model`` (or of a forward function of it, e.g. compiled), greedy, the last position's
+    logits only, finished on the device when the call returns; returns the next tokens ``[B, 1]``."""
     logits = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1:].argmax(-1)
     _sync(ids.device)
