@@ -180,9 +180,43 @@ def _serve_soak(result: dict[str, Any]) -> str:
         ["SIGTERM under load", f"{down['completed']} of {down['streams']} streams completed, the server ended "
          f"{down['seconds_after_signal']:.1f} s after the signal (exit {down['exit_code']})"],
     ]  # fmt: skip
+    return md_table(["", "measured"], rows) + _check_list(result["checks"])
+
+
+def _check_list(checks: dict[str, bool | None]) -> str:
+    """A script's checks as a markdown list."""
     marks = {True: "passes", False: "**fails**", None: "not judged"}
-    checks = "".join(f"\n- `{name}`: {marks[value]}" for name, value in result["checks"].items())
-    return md_table(["", "measured"], rows) + checks + "\n"
+    return "".join(f"\n- `{name}`: {marks[value]}" for name, value in checks.items()) + "\n"
+
+
+def _serve_ray(result: dict[str, Any]) -> str:
+    summary, settings = result["summary"], result["settings"]
+    spread, exit_ = summary["spread"], summary["exit"]
+    where = f"a cluster at `{settings['ray']}`" if settings["ray"] else "a new local Ray"
+    per_replica = " / ".join(str(n) for n in spread["per_replica"].values())
+    held = " / ".join(f"{most / MIB:.1f}" for most in summary["kv_held_max"].values())
+    rows = [
+        ["replicas", f"{settings['replicas']} on {where}, serving {summary['start_seconds']:.0f} s after the start"],
+        ["requests spread", f"{spread['answered']} of {spread['requests']} sent at once answered, {per_replica} per "
+         f"replica on {spread['nodes']} node(s); {spread['requests_per_s']:.2f} requests/s, latency p50 / max "
+         f"{spread['latency_p50']:.1f} / {spread['latency_max']:.1f} s"],
+        ["KV held at most", f"{held} MiB per replica, each under a {summary['kv_cap'] / MIB:,.0f} MiB cap"],
+    ]  # fmt: skip
+    if "fault" in summary:
+        f = summary["fault"]
+        rows += [
+            ["a replica killed (SIGKILL) mid-run", f"{f['plain_answered']} of {f['plain']} unstreamed requests "
+             f"answered in full ({f['plain_retried']} retried on the other replica); of {f['streams']} streams "
+             f"{f['streams_complete']} complete, {f['streams_ended_by_error']} ended by the error event; {f['hung']} "
+             f"hung, the slowest ended after {f['slowest_seconds']:.0f} s"],
+            ["replacement", f"Serve's new replica answered {f['replaced_seconds_after_kill']:.0f} s after the kill"],
+        ]  # fmt: skip
+    rows.append(["Ctrl-C", f"the server exited {exit_['code']} after {exit_['seconds']:.1f} s"])
+    note = (
+        f"`{settings['policy']}` at a budget of {settings['budget']} tokens; greedy completions of {settings['short']} "
+        f"tokens (spread) and {settings['long']} (in flight at the kill).\n"
+    )
+    return md_table(["", "measured"], rows) + "\n" + note + _check_list(result["checks"])
 
 
 def _compiled_decode(result: dict[str, Any]) -> str:
@@ -214,6 +248,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
         return _serve_soak
     if Path(program).name == "compiled_decode.py":
         return _compiled_decode
+    if Path(program).name == "serve_ray.py":
+        return _serve_ray
     if command == "compare":
         return _compare
     if command == "bench" and "stream_engine" in result:

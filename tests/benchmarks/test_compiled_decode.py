@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from test_kvpress_side_by_side import _load
+from script_support import load_script
 
 from kvsieve.results import render_file
 
-script = _load("compiled_decode")
+script = load_script("compiled_decode")
 
 
 @pytest.mark.slow

@@ -9,12 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
-from test_kvpress_side_by_side import _load
+from script_support import load_script
 
 from kvsieve.qa import compress, split_prompt
 
-qa_driver = _load("kvpress_qa")
-worker = _load("kvpress_worker")
+qa_driver = load_script("kvpress_qa")
+worker = load_script("kvpress_worker")
 
 
 def test_cases_are_scored_by_the_needle_rule_or_by_a_substring():

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kvpress_side_by_side import _load
+from script_support import load_script
 
 from kvsieve.qa import SEPARATOR
 from kvsieve.ruler.predict import FULL, predict
 from kvsieve.ruler.tasks import Prompter, Sample
 
-ruler = _load("kvpress_ruler")
-qa_driver = _load("kvpress_qa")
-worker = _load("kvpress_worker")
+ruler = load_script("kvpress_ruler")
+qa_driver = load_script("kvpress_qa")
+worker = load_script("kvpress_worker")
 
 
 # --- the mapping ------------------------------------------------------------------------------------------------

@@ -4,29 +4,16 @@ here (it lives in its own virtualenv)."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from script_support import load_script
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # (dataclasses resolve annotations through sys.modules)
-    spec.loader.exec_module(module)
-    return module
-
-
-driver = _load("kvpress_side_by_side")
-worker = _load("kvpress_worker")
+driver = load_script("kvpress_side_by_side")
+worker = load_script("kvpress_worker")
 
 
 def test_jaccard():

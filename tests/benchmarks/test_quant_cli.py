@@ -5,13 +5,11 @@ cache (a tiny local model), kept by sweeps at 100 %, bench and lm-eval's model a
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from script_support import load_script
 
 from kvsieve.api import make_cache
 from kvsieve.benchmarks import profile
@@ -219,18 +217,9 @@ def test_lm_eval_model_arguments_quantize_every_cache(tiny_lm) -> None:
 
 # -- the measurement scripts' own parts -------------------------------------------------------------------------------
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_quanto_bytes_are_codes_scale_and_shift() -> None:
-    side = _script("quantized_cache_side_by_side")
+    side = load_script("quantized_cache_side_by_side")
     layer = side.MeasuredQuantoLayer(nbits=4, q_group_size=32, residual_length=32, axis_key=0, axis_value=0)
     x = torch.randn(1, 3, 64, 64)
     keys, values = layer._quantize(x, 0), layer._quantize(2 * x, 0)
@@ -242,7 +231,7 @@ def test_quanto_bytes_are_codes_scale_and_shift() -> None:
 
 
 def test_grid_table_and_claim() -> None:
-    grid = _script("quant_grid")
+    grid = load_script("quant_grid")
     ppl = {("full", 1.0): 20.0, ("full:kv_bits=4", 1.0): 20.2, ("h2o", 0.2): 21.0, ("h2o:kv_bits=4", 0.2): 21.3}
     rows = [{"policy": p, "budget": b, "ppl": v} for (p, b), v in ppl.items()]
     table = grid.grid_tables(rows, ["h2o"], [0.2], [4])

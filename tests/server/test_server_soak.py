@@ -3,27 +3,19 @@ classifies answers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import httpx
 import pytest
+from script_support import load_script
 
 from kvsieve.results import render_file
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "serve_soak.py"
 
 
 @pytest.fixture(scope="module")
 def soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serve_soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("serve_soak")
 
 
 def test_a_short_soak_accounts_for_every_request_and_drains_on_sigterm(soak, tiny_dir, tmp_path) -> None:
