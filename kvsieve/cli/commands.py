@@ -9,53 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def _quant(args: argparse.Namespace) -> dict[str, int]:
-    """``--kv-bits``, ``--group-size`` and ``--kv-residual`` as policy-spec keys (checked; none given: ``{}``)."""
-    from kvsieve.engine.quant import kv_quant
-
-    options = (("kv_bits", args.kv_bits), ("group_size", args.group_size), ("residual", args.kv_residual))
-    given = {key: value for key, value in options if value is not None}
-    if given and args.kv_bits is None:
-        raise ValueError("--group-size and --kv-residual apply to quantized slots only: give --kv-bits too")
-    kv_quant(**given)
-    return given
-
-
-def _spec(args: argparse.Namespace, policy: str | None = None) -> str:
-    """``policy`` (default ``--policy``) as a spec with the quantization options added (see :func:`_quant`)."""
-    from kvsieve.policies import with_spec_keys
-
-    return with_spec_keys(policy or args.policy, _quant(args), "as --kv-bits/--group-size/--kv-residual")
-
-
-def _specs(args: argparse.Namespace) -> list[str]:
-    """``--policies``, each with the quantization options added (see :func:`_quant`)."""
-    return [_spec(args, policy) for policy in args.policies]
-
-
-def _policy_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``-p`` parameters checked and typed by ``--policy``'s ``Params`` (with the spec's own, if ``--policy``
-    is a spec): called before any model loads."""
-    from kvsieve.policies import get_policy, resolve_spec
-
-    resolve_spec(_spec(args), dict(args.param))
-    return get_policy(args.policy).parse_params(**dict(args.param))
-
-
-def _load(args: argparse.Namespace):
-    from kvsieve.models import load_model
-
-    return load_model(args.model, device=args.device, dtype=args.dtype)
-
-
-def _text(args: argparse.Namespace) -> str:
-    from kvsieve.data import builtin_text, read_text
-
-    if args.file:
-        return read_text(args.file)
-    # One real article long enough for the requested tokens (~4 characters per token, with margin).
-    return builtin_text(min_chars=args.max_tokens * 6)
+from kvsieve.cli.arguments import checked_params, load_model_of, policy_spec, policy_specs, quant_keys, text_of
+from kvsieve.cli.grids import cmd_reproduce, cmd_ruler, cmd_sweep
 
 
 def cmd_data(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,21 +37,21 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 
     if (args.prompt is None) == (args.prompt_file is None):
         raise ValueError("give exactly one of PROMPT or --prompt-file")
-    policy_kwargs = _policy_kwargs(args)
+    policy_kwargs = checked_params(args)
     prompt = read_text(args.prompt_file) if args.prompt_file else args.prompt
-    model, tokenizer = _load(args)
+    model, tokenizer = load_model_of(args)
     out = generate(
         model,
         tokenizer,
         prompt,
-        policy=_spec(args),
+        policy=policy_spec(args),
         budget=args.budget,
         max_new_tokens=args.max_new_tokens,
         policy_kwargs=policy_kwargs,
         schedule=args.schedule,
     )
     return {
-        "policy": _spec(args),
+        "policy": policy_spec(args),
         "budget_tokens": out.budget_tokens,
         "prompt_tokens": out.prompt_tokens[0],
         "generated_tokens": out.generated_tokens[0],
@@ -114,21 +69,21 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
     if any(not q.strip() for q in args.question):
         raise ValueError("every --question must be non-empty")
     if args.load:
-        if _quant(args):
+        if quant_keys(args):
             raise ValueError("a saved context keeps the quantization it was compressed with: drop --kv-bits")
         if not Path(args.load).is_file():
             raise FileNotFoundError(f"no saved context at {args.load}")
-        model, tokenizer = _load(args)
+        model, tokenizer = load_model_of(args)
         qa = load_context(args.load, model, tokenizer)
     else:
-        policy_kwargs = _policy_kwargs(args)
+        policy_kwargs = checked_params(args)
         context = read_text(args.context)
-        model, tokenizer = _load(args)
+        model, tokenizer = load_model_of(args)
         qa = compress(
             model,
             tokenizer,
             context,
-            policy=_spec(args),
+            policy=policy_spec(args),
             budget=args.budget,
             decode_budget=args.decode_budget,
             schedule=args.schedule,
@@ -151,9 +106,9 @@ def cmd_ask(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_ppl(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation.perplexity import stream_perplexity
 
-    policy, policy_kwargs = _spec(args), _policy_kwargs(args)
-    text = _text(args)
-    model, tokenizer = _load(args)
+    policy, policy_kwargs = policy_spec(args), checked_params(args)
+    text = text_of(args)
+    model, tokenizer = load_model_of(args)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     result, _ = stream_perplexity(
         model,
@@ -179,8 +134,8 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.data import builtin_text
     from kvsieve.evaluation.needle import plot_needle, run_needle
 
-    policy_kwargs = _policy_kwargs(args)
-    model, tokenizer = _load(args)
+    policy_kwargs = checked_params(args)
+    model, tokenizer = load_model_of(args)
     cells = run_needle(
         model,
         tokenizer,
@@ -188,25 +143,25 @@ def cmd_needle(args: argparse.Namespace) -> dict[str, Any]:
         lengths=args.lengths,
         depths=args.depths,
         trials=args.trials,
-        policy=_spec(args),
+        policy=policy_spec(args),
         budget=args.budget,
         progress=not args.json,
         question=args.question,
         **policy_kwargs,
     )
     if args.plot:
-        plot_needle(cells, args.plot, title=f"{_spec(args)}, budget {args.budget}, question-{args.question}")
+        plot_needle(cells, args.plot, title=f"{policy_spec(args)}, budget {args.budget}, question-{args.question}")
     cells = [c.to_dict() for c in cells]
-    return {"policy": _spec(args), "budget": args.budget, "question": args.question, "cells": cells}
+    return {"policy": policy_spec(args), "budget": args.budget, "question": args.question, "cells": cells}
 
 
 def cmd_compare(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.engine.compiled import compilations
     from kvsieve.evaluation.compare import compare
 
-    policies = _specs(args)
-    text = _text(args)
-    model, tokenizer = _load(args)
+    policies = policy_specs(args)
+    text = text_of(args)
+    model, tokenizer = load_model_of(args)
     compiled_before = compilations()
     rows = compare(
         model,
@@ -234,9 +189,9 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.benchmarks.runner import prompt_tokens
 
     lengths = pair_lengths(args.prompt_lens, args.gen_lens)
-    policies = check_policies(_specs(args))
-    profiled = check_policies([_spec(args, args.profile)])[0] if args.profile else None
-    model, tokenizer = _load(args)
+    policies = check_policies(policy_specs(args))
+    profiled = check_policies([policy_spec(args, args.profile)])[0] if args.profile else None
+    model, tokenizer = load_model_of(args)
     if profiled is not None:
         return {"profile": profile_decode(model, prompt_tokens(tokenizer, PROFILE_PROMPT), policy=profiled)}
     return benchmark(
@@ -260,12 +215,12 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
     from kvsieve.evaluation.summarization import evaluate_xsum
 
     check_question(args.question, args.protocol)
-    policy_kwargs = _policy_kwargs(args)
-    model, tokenizer = _load(args)
+    policy_kwargs = checked_params(args)
+    model, tokenizer = load_model_of(args)
     lm = KVSieveLM(
         model=model,
         tokenizer=tokenizer,
-        policy=_spec(args),
+        policy=policy_spec(args),
         budget=args.budget,
         protocol=args.protocol,
         question=args.question,
@@ -274,117 +229,13 @@ def cmd_xsum(args: argparse.Namespace) -> dict[str, Any]:
     )
     result = evaluate_xsum(lm, args.limit, args.max_new_tokens, progress=not args.json).to_dict()
     samples = result.pop("samples")
-    settings = {"policy": _spec(args), "budget": args.budget, "protocol": args.protocol, "question": args.question}
-    return {**settings, **result, "first": samples[0]}
-
-
-def _ray_options(args: argparse.Namespace) -> Any:
-    """``--ray`` and its options as :class:`~kvsieve.evaluation.ray_sweep.RayOptions` (None without ``--ray``)."""
-    given = {
-        name: value
-        for name, value in (
-            ("cpus_per_cell", args.cpus_per_cell),
-            ("gpus_per_cell", args.gpus_per_cell),
-            ("max_retries", args.max_retries),
-        )
-        if value is not None
+    settings = {
+        "policy": policy_spec(args),
+        "budget": args.budget,
+        "protocol": args.protocol,
+        "question": args.question,
     }
-    if args.ray is None:
-        if given:
-            raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --ray")
-        return None
-    from kvsieve.evaluation.ray_sweep import RayOptions, require_ray
-
-    require_ray()
-    return RayOptions(address=args.ray, **given)
-
-
-def cmd_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from kvsieve.evaluation import sweep
-
-    result = sweep.run_sweep(
-        args.out,
-        args.tasks,
-        [_spec(args, policy) for policy in args.policies or sweep.DEFAULT_POLICIES],
-        args.budgets or sweep.DEFAULT_BUDGETS,
-        settings=sweep.Settings(
-            model=args.model,
-            limit=args.limit,
-            protocol=args.protocol,
-            question=args.question,
-            ppl_tokens=args.ppl_tokens,
-            dtype=args.dtype,
-        ),
-        jobs=args.jobs,
-        threads=args.threads,
-        device=args.device,
-        progress=not args.json,
-        compute=not args.report,
-        ray=_ray_options(args),
-    )
-    return {"computed": result.computed, "files": result.files, "rows": result.rows, "table": result.table}
-
-
-def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
-    """With ``--ray`` the samples are Ray tasks, each with ``--cpus-per-cell`` threads (``--threads`` is refused), on
-    the workers' ``--device``; this process loads only the tokenizer (the samples' lengths and prompts). Samples
-    that failed on Ray: the report of the rest is written, then a one-line error names them."""
-    import torch
-
-    from kvsieve.evaluation.defaults import QUESTION_MODES
-    from kvsieve.models import load_model, load_tokenizer, resolve_dtype
-    from kvsieve.ruler import run
-    from kvsieve.ruler.report import write_report
-
-    quick = run.QUICK if args.quick else {}
-    ray = _ray_options(args)
-    if ray is not None and args.threads:
-        raise ValueError("with Ray, each sample is a task with --cpus-per-cell threads: give --threads without it")
-    failed = None
-    if not args.report:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        policies = args.policies or quick.get("policies") or run.default_policies()
-        settings = run.grid_settings(
-            [_spec(args, p) for p in policies],
-            args.compressions or quick.get("compressions", run.DEFAULT_COMPRESSIONS),
-            args.protocols or QUESTION_MODES,
-        )
-        tasks = args.tasks or list(run.TASKS)
-        haystack = run.haystack_name(args.file)  # (a missing --file fails before the model loads)
-        if ray is None:
-            model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-        else:  # (this process answers nothing: the workers load the model, this one its tokenizer)
-            model, tokenizer = None, load_tokenizer(args.model)
-        grid = run.GridSettings(
-            model=args.model,
-            dtype=str(resolve_dtype(args.dtype)).removeprefix("torch."),
-            seed=args.seed,
-            haystack=haystack,
-            chat_template=not args.no_chat_template,
-        )
-        try:
-            run.run_ruler(
-                model,
-                tokenizer,
-                args.out,
-                lambda: run.sources(args.file, with_reading="qa" in tasks),
-                grid,
-                tasks=tasks,
-                lengths=args.lengths or quick.get("lengths", run.DEFAULT_LENGTHS),
-                settings=settings,
-                samples=args.samples or quick.get("samples", run.DEFAULT_SAMPLES),
-                progress=not args.json,
-                ray=ray,
-                device=args.device,
-                kv_memory=None if args.kv_memory_gb is None else int(args.kv_memory_gb * 2**30),
-            )
-        except run.SamplesFailed as err:
-            failed = err
-    result = write_report(args.out, title=f"RULER, {args.model}")
-    if failed is not None:
-        raise ValueError(str(failed))
-    return result
+    return {**settings, **result, "first": samples[0]}
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> dict[str, Any]:
@@ -422,28 +273,12 @@ def cmd_analyze(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.analysis in POLICY_ANALYSES:  # (an unknown policy is an error before the model loads)
         options = {"policies": policy_names(args.policies), "budget": args.budget}
-    text = _text(args)
-    model, tokenizer = _load(args)
+    text = text_of(args)
+    model, tokenizer = load_model_of(args)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.max_tokens]
     about = {"model": args.model, "text": args.file or text.splitlines()[0].strip("= ")}
     out = args.out or f"out/analyze/{args.analysis}"
     return run_analysis(args.analysis, model, ids, out, progress=not args.json, about=about, **options)
-
-
-def cmd_reproduce(args: argparse.Namespace) -> dict[str, Any]:
-    from kvsieve.reproduce.runner import reproduce
-
-    return reproduce(
-        args.paper,
-        args.out,
-        quick=args.quick,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        compute=not args.report,
-        progress=not args.json,
-        ray=_ray_options(args),
-    )
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -463,7 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.schedule != "uniform":
         raise ValueError("the server shares budgets uniformly; a request may carry schedule= in its kv_policy spec")
-    defaults = KVSpec(_spec(args), args.budget, _policy_kwargs(args))
+    defaults = KVSpec(policy_spec(args), args.budget, checked_params(args))
     replicas = None
     ray_given = (args.ray, args.replicas, args.cpus_per_replica, args.gpus_per_replica)
     if any(value is not None for value in ray_given):
@@ -494,7 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
         )
         serve_on_ray(replicas, settings, host=args.host, port=args.port)
         return {}
-    model, tokenizer = _load(args)
+    model, tokenizer = load_model_of(args)
     app = build_app(model, tokenizer, **server)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return {}

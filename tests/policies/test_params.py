@@ -15,7 +15,7 @@ from lm_eval.utils import simple_parse_args_string
 
 import kvsieve
 from kvsieve.cli import build_parser, main
-from kvsieve.cli.commands import _policy_kwargs
+from kvsieve.cli.arguments import checked_params
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
 from kvsieve.policies import REGISTRY, resolve_spec
 from kvsieve.policies.ahakv import AhaKV
@@ -196,7 +196,7 @@ def test_ill_typed_policy_parameter_is_one_line_before_the_model_loads(capsys, a
 
 def test_policy_parameters_are_parsed_by_their_type() -> None:
     argv = ["generate", "-p", "normalize=FALSE", "-p", "recent=none", "-p", "recent_ratio=1", "-p", "transform=log"]
-    kwargs = _policy_kwargs(build_parser().parse_args(argv))
+    kwargs = checked_params(build_parser().parse_args(argv))
     assert kwargs == {"normalize": False, "recent": None, "recent_ratio": 1.0, "transform": "log"}
     assert type(kwargs["recent_ratio"]) is float
 
@@ -264,7 +264,7 @@ def test_a_parameter_given_twice_is_an_error() -> None:
         resolve_spec("h2o:recent=3", {"recent": 4})
     args = build_parser().parse_args(["generate", "--policy", "h2o:recent=3", "-p", "recent=4", "--prompt", "x"])
     with pytest.raises(ValueError, match="recent given both"):
-        _policy_kwargs(args)
+        checked_params(args)
 
 
 def test_lm_eval_model_args_take_a_spec(tiny_lm) -> None:

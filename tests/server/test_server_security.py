@@ -107,7 +107,7 @@ def fake_serve(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     import kvsieve.server.app as app
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(commands, "_load", lambda args: ("model", "tokenizer"))
+    monkeypatch.setattr(commands, "load_model_of", lambda args: ("model", "tokenizer"))
     monkeypatch.setattr(app, "build_app", lambda model, tokenizer, **options: seen.update(options) or "app")
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: seen.update(run=options))
     monkeypatch.delenv("KVSIEVE_API_KEY", raising=False)
