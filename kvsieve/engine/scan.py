@@ -38,7 +38,7 @@ from kvsieve.engine.quant import recent
 from kvsieve.engine.slot_attention import AttentionArgs, weighted_values
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import Observation, Slots
-from kvsieve.policies.base import demote, extreme, protect
+from kvsieve.policies.base import demote, extreme, group_sum, protect
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import SieveLayer
@@ -225,8 +225,7 @@ def _decide(
         if step_logit is not None:
             hidden = wide_gone if is_real is None else wide_gone & is_real[..., None, None]
             masked = torch.where(hidden, lowest, step_logit)
-            probs = masked.softmax(dim=-1).sum(dim=2)
-            probs = probs if is_real is None else probs * is_real[..., None]
+            probs = group_sum(masked.softmax(dim=-1), None if is_real is None else step_pos)
             policy.observe(slots, Observation(probs, masked, step_pos, 1, key_pos=pos))
         target = policy.n_keep(held, limit)
         if target >= held:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve.engine.quant import recent
-from kvsieve.policies.base import Observation, visible_slots
+from kvsieve.policies.base import Observation, group_sum, visible_slots
 
 # Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
 # memory grows with rows·N, never q·N for long prompts. 8 MiB blocks stay in cache: at 4,096 tokens the explicit
@@ -311,9 +311,7 @@ def observed_attention(
         if all_weights is not None:
             all_weights[:, :, blk.start : blk.end, :cols] = probs.reshape(bsz, n_q_heads, b, cols)
         if observe is not None:
-            summed = probs.sum(dim=2)
-            if not (seen.all_visible or diagonal_only):  # (otherwise no query is padding)
-                summed.mul_((qp >= 0)[:, None, :, None])
+            summed = group_sum(probs, None if seen.all_visible or diagonal_only else qp)  # (else none is padding)
             mask = _everything(query.device).expand(bsz, n_kv_heads, b, cols) if seen.all_visible else allowed
             observe(Observation(summed, logits, qp, step_rows or q_len, key_pos=kp, window=args.window, mask=mask))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), all_weights

@@ -15,6 +15,7 @@ from kvsieve.policies.base import (
     Policy,
     Slots,
     accumulate,
+    group_sum,
     in_position_order,
     protect,
     recent_mask,
@@ -72,7 +73,7 @@ def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torc
     gain = seen_gain(obs.query_pos, budget)[:, None] if seen else step_gain(obs.allowed.sum(dim=-1).float(), budget)
     # The logits are -inf where masked, and -inf · 0 is NaN: masked again where the gain is 0 (uniform over the rest).
     logits = (obs.logits * gain[:, :, None, :, None]).nan_to_num_(nan=float("-inf"))
-    return logits.softmax(dim=-1).sum(dim=2) * (obs.query_pos >= 0)[:, None, :, None]
+    return group_sum(logits.softmax(dim=-1), obs.query_pos)
 
 
 def value_prior(slots: Slots, kernel: int) -> torch.Tensor:

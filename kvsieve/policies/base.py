@@ -58,6 +58,14 @@ def accumulate(score: torch.Tensor, gain: torch.Tensor) -> None:
     score += gain[:, :, 0] if gain.shape[2] == 1 else gain.sum(dim=2)
 
 
+def group_sum(per_head: torch.Tensor, query_pos: torch.Tensor | None) -> torch.Tensor:
+    """``[B, H, G, b, N]`` values per query head (a softmax's probabilities, or what a policy derives from them) →
+    ``[B, H, b, N]`` summed over each KV head's GQA group, the rows of padding queries (``query_pos`` ``[B, b]`` < 0)
+    zero; ``query_pos`` None: no row is padding. :attr:`Observation.probs` is this of the model's probabilities."""
+    summed = per_head.sum(dim=2)
+    return summed if query_pos is None else summed.mul_((query_pos >= 0)[:, None, :, None])
+
+
 REGISTRY: dict[str, type[Policy]] = {}
 """Registered policies by name (filled by :func:`register` as the policy modules are imported)."""
 P = TypeVar("P", bound="type[Policy]")

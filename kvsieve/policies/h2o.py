@@ -9,7 +9,17 @@ from typing import Literal
 import torch
 
 from kvsieve.engine.rules import Pattern, ScoreRule
-from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, accumulate, protect, recent_mask, register
+from kvsieve.policies.base import (
+    SCORE_STATE,
+    Observation,
+    Policy,
+    Slots,
+    accumulate,
+    group_sum,
+    protect,
+    recent_mask,
+    register,
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,7 @@ class H2O(Policy):
         else:
             h = TRANSFORMS[self.params.transform]
             probs = obs.logits.softmax(dim=-1)
-            marginal = (h(torch.ones_like(probs)) - h(1 - probs)).sum(dim=2)
-            gain = marginal * (obs.query_pos >= 0)[:, None, :, None]
+            gain = group_sum(h(torch.ones_like(probs)) - h(1 - probs), obs.query_pos)
         accumulate(slots.state["score"], gain)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
