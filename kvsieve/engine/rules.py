@@ -1,7 +1,9 @@
 """The rules a policy may state (:meth:`~kvsieve.policies.base.Policy.scan_rule`) so that the engine runs its
 decisions without calling it: the stream protocol's scan (:mod:`kvsieve.engine.scan`, compiled loops in
 :mod:`kvsieve.engine.compiled_scan`) and a decode step's observation and victim (:mod:`kvsieve.engine.compiled`).
-Each is tested against the policy's own ``observe`` / ``n_keep`` / ``keep_scores``."""
+Each is tested against the policy's own ``observe`` / ``n_keep`` / ``keep_scores``; a ``ScoreRule``'s and a
+``Pattern``'s once for all their policies, against their torch statement (:class:`~kvsieve.policies.scores.ScorePolicy`,
+:meth:`Pattern.kept`)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,27 @@ class Pattern:
         """The tokens at the ``n`` newest positions, nothing else (a recent window:
         :func:`~kvsieve.policies.base.recent_mask`)."""
         return cls(keep=0, recent=n)
+
+    def kept(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N]`` bool: the slots (their tokens at positions ``pos``, -1 = empty) the pattern keeps when each
+        row's newest position is ``last`` ``[B]`` — the rule in torch, which the compiled loops' reading of it
+        (:mod:`kvsieve.engine.compiled`) is tested against."""
+        newest = last.view(-1, 1, 1)
+        real = pos >= 0
+        held = pos > newest - self.recent
+        if self.block > 0:
+            held |= pos >= newest // self.block * self.block
+        kept = real & held
+        if self.keep == 0:
+            return kept
+        # the free places: the highest ranks, the candidates newest first, then the others (positions: distinct)
+        lowest = torch.iinfo(pos.dtype).min
+        candidate = (pos + self.offset) % self.period < self.span
+        rank = torch.where(candidate, pos, pos - (newest + 1)).masked_fill(kept | ~real, lowest)
+        top = rank.topk(min(self.keep, rank.shape[-1]), dim=-1)
+        free = self.keep - kept.sum(dim=-1, keepdim=True)
+        take = (torch.arange(top.values.shape[-1], device=pos.device) < free) & (top.values > lowest)
+        return kept | torch.zeros_like(kept).scatter_(-1, top.indices, take)
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve.engine.rules import Pattern, ScoreRule
-from kvsieve.policies.base import (
-    SCORE_STATE,
-    Observation,
-    Policy,
-    Slots,
-    accumulate,
-    group_sum,
-    in_position_order,
-    protect,
-    recent_mask,
-    register,
-)
+from kvsieve.policies.base import Observation, Slots, accumulate, in_position_order, register
+from kvsieve.policies.scores import ScorePolicy, scaled_probs
 
 
 @dataclass(frozen=True)
@@ -71,9 +61,7 @@ def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torc
     # [B, 1, b] with its own token, or [B, H, b]
     seen = tokens == "seen"
     gain = seen_gain(obs.query_pos, budget)[:, None] if seen else step_gain(obs.allowed.sum(dim=-1).float(), budget)
-    # The logits are -inf where masked, and -inf · 0 is NaN: masked again where the gain is 0 (uniform over the rest).
-    logits = (obs.logits * gain[:, :, None, :, None]).nan_to_num_(nan=float("-inf"))
-    return group_sum(logits.softmax(dim=-1), obs.query_pos)
+    return scaled_probs(obs, gain)
 
 
 def value_prior(slots: Slots, kernel: int) -> torch.Tensor:
@@ -91,7 +79,7 @@ def value_prior(slots: Slots, kernel: int) -> torch.Tensor:
 
 
 @register
-class AhaKV(Policy):
+class AhaKV(ScorePolicy):
     """AhaKV: adaptive holistic attention — unbiased accumulated attention plus a value prior.
 
     Gu et al., "AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient Inference of Large
@@ -140,10 +128,12 @@ class AhaKV(Policy):
 
     Ablations: ``ra=False`` accumulates every prompt row; ``sgs=False`` uses the plain probabilities;
     ``vpe=False`` sets ``γ̄ = 1``. Choices: a GQA group's query heads are scored separately (SG-softmax per head)
-    and summed, as H2O does; padding queries add nothing. In a stream every step is one query (no value prior; RA
-    counts it): the rule is then a :class:`~kvsieve.engine.rules.ScoreRule` with SGS's multiplier of the logits
-    (``scan_rule``; not with ``sgs_tokens="kept"``), and the stream protocol's scan decides on CPU in one compiled
-    loop, with the same decisions.
+    and summed, as H2O does; padding queries add nothing. The priorities are the
+    :class:`~kvsieve.engine.rules.ScoreRule` of the family (``score_rule``, in torch by
+    :class:`~kvsieve.policies.scores.ScorePolicy`); the prompt's rows (RA, VPE) are this policy's own ``observe``.
+    In a stream every step is one query (no value prior; RA counts it): the rule, with SGS's multiplier of the
+    logits, is then the whole policy (``scan_rule``; not with ``sgs_tokens="kept"``), and on CPU the compiled loops
+    run it, with the same decisions.
     """
 
     name = "ahakv"
@@ -163,9 +153,6 @@ class AhaKV(Policy):
             raise ValueError(f"ahakv: kernel must be a positive odd number, got {p.kernel}")
         self.recent = recent
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return SCORE_STATE
-
     def observed_rows(self) -> int | None:
         return self.recent if self.params.ra else None
 
@@ -180,14 +167,12 @@ class AhaKV(Policy):
         else:
             accumulate(slots.state["score"], probs)
 
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        return protect(slots.state["score"], recent_mask(slots.pos, slots.last, self.recent))
-
-    def scan_rule(self) -> ScoreRule | None:
+    def score_rule(self) -> ScoreRule:
         # (a stream's steps are single queries: no value prior, and RA counts each, its position being the newest)
         p = self.params
-        sgs = p.sgs and p.sgs_decode
-        if sgs and p.sgs_tokens == "kept":
-            return None
-        scale = SeenGain(self.budget) if sgs else None
+        scale = SeenGain(self.budget) if p.sgs and p.sgs_decode and p.sgs_tokens == "seen" else None
         return ScoreRule(accumulate=True, kept=Pattern.window(self.recent), logit_scale=scale)
+
+    def scan_rule(self) -> ScoreRule | None:
+        p = self.params
+        return None if p.sgs and p.sgs_decode and p.sgs_tokens == "kept" else self.score_rule()

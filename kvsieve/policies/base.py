@@ -27,7 +27,8 @@ moves with its token when slots are evicted, compacted or reordered. New slots s
 A policy whose ``observe`` and ``keep_scores`` follow one of the rules the engine has as compiled loops states it
 with ``scan_rule`` (:mod:`kvsieve.engine.rules`: ``ScoreRule``, ``LowMarks``, ``FixedPriority``): the stream
 protocol's scan and a decode step's victim then run without calling them, with the same decisions (tested against
-the calls).
+the calls). The accumulated-score family's ``observe`` and ``keep_scores`` are written once, from its rule
+(:class:`~kvsieve.policies.scores.ScorePolicy`).
 
 A new policy is one file in this package with a :func:`register`-decorated subclass.
 """

@@ -9,17 +9,8 @@ from typing import Literal
 import torch
 
 from kvsieve.engine.rules import Pattern, ScoreRule
-from kvsieve.policies.base import (
-    SCORE_STATE,
-    Observation,
-    Policy,
-    Slots,
-    accumulate,
-    group_sum,
-    protect,
-    recent_mask,
-    register,
-)
+from kvsieve.policies.base import Observation, Slots, accumulate, group_sum, protect, register
+from kvsieve.policies.scores import ScorePolicy
 
 
 @dataclass(frozen=True)
@@ -42,7 +33,7 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 @register
-class H2O(Policy):
+class H2O(ScorePolicy):
     """Heavy-Hitter Oracle: keep the tokens that received the most attention, plus the most recent ones.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
@@ -56,9 +47,10 @@ class H2O(Policy):
       step it evicts exactly the lowest-scored token outside the recent window.
 
     Choices: padding queries add nothing; the original code assumes batch size 1 and sums the batch dimension,
-    here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``. With the default
-    ``transform`` and no ``normalize`` the rule is a :class:`~kvsieve.engine.rules.ScoreRule` (``scan_rule``):
-    the stream protocol's scan then decides on CPU in one compiled loop, with the same decisions.
+    here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``. The rule is a
+    :class:`~kvsieve.engine.rules.ScoreRule` (``score_rule``), run by the family's torch code
+    (:class:`~kvsieve.policies.scores.ScorePolicy`) or, with the default ``transform`` and no ``normalize``
+    (``scan_rule``), on CPU by the compiled loops, with the same decisions.
 
     Variants:
 
@@ -96,24 +88,23 @@ class H2O(Policy):
         self.recent = recent
         self.heavy = self.budget - recent
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return SCORE_STATE
+    def score_rule(self) -> ScoreRule:
+        return ScoreRule(accumulate=True, kept=Pattern.window(self.recent))
 
     def observe(self, slots: Slots, obs: Observation) -> None:
-        if self.params.transform == "identity":
-            gain = obs.probs  # h(1) - h(1 - a) = a: the group-summed probabilities
-        else:
-            h = TRANSFORMS[self.params.transform]
-            probs = obs.logits.softmax(dim=-1)
-            gain = group_sum(h(torch.ones_like(probs)) - h(1 - probs), obs.query_pos)
-        accumulate(slots.state["score"], gain)
+        if self.params.transform == "identity":  # h(1) - h(1 - a) = a: the rule's group-summed probabilities
+            super().observe(slots, obs)
+            return
+        h = TRANSFORMS[self.params.transform]
+        probs = obs.logits.softmax(dim=-1)
+        accumulate(slots.state["score"], group_sum(h(torch.ones_like(probs)) - h(1 - probs), obs.query_pos))
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
-        score = slots.state["score"]
-        if self.params.normalize:
-            score = score / (slots.age + 1)
-        return protect(score, recent_mask(slots.pos, slots.last, self.recent))
+        if not self.params.normalize:
+            return super().keep_scores(slots)
+        score = slots.state["score"] / (slots.age + 1)
+        return protect(score, self.scores.kept.kept(slots.pos, slots.last))
 
     def scan_rule(self) -> ScoreRule | None:
         plain = self.params.transform == "identity" and not self.params.normalize
-        return ScoreRule(accumulate=True, kept=Pattern.window(self.recent)) if plain else None
+        return self.score_rule() if plain else None

@@ -7,27 +7,16 @@ import inspect
 import typing
 from typing import Any, ClassVar
 
-import torch
-
 from kvsieve.engine.rules import ScoreRule
-from kvsieve.policies.base import (
-    SCORE_STATE,
-    Observation,
-    Policy,
-    PositionalPolicy,
-    Slots,
-    accumulate,
-    demote,
-    protect,
-    register,
-)
+from kvsieve.policies.base import PositionalPolicy, register
 from kvsieve.policies.fixed import Fixed
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.local import Local
+from kvsieve.policies.scores import ScorePolicy
 from kvsieve.policies.strided import Strided
 
 
-class HeavyHitters(Policy):
+class HeavyHitters(ScorePolicy):
     """A positional pattern at ``budget - heavy`` plus the ``heavy`` other tokens with the most accumulated attention.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models",
@@ -55,8 +44,9 @@ class HeavyHitters(Policy):
     ``torch.topk``, as do ties of scores. ``heavy_ratio = 0`` is the base policy at ``B`` (tested: same kept
     positions). The combined policy is not positional (every layer decides alone, by its own scores). Every batch
     row keeps its own scores, like ``h2o``. The rule is a :class:`~kvsieve.engine.rules.ScoreRule` whose kept set
-    is the base's :class:`~kvsieve.engine.rules.Pattern` (``scan_rule``): the stream protocol's scan decides on CPU
-    in one compiled loop, with the same decisions.
+    is the base's :class:`~kvsieve.engine.rules.Pattern` (``score_rule``; its reading is tested to keep the base's
+    top ``B - heavy``), run by the family's torch code (:class:`~kvsieve.policies.scores.ScorePolicy`) or, on CPU,
+    by the compiled loops, with the same decisions.
     """
 
     base: ClassVar[type[PositionalPolicy]]
@@ -78,25 +68,11 @@ class HeavyHitters(Policy):
                 f"{self.name}: {err} (the pattern's share: budget {self.budget} - heavy {self.heavy})"
             ) from None
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return SCORE_STATE
-
-    def observe(self, slots: Slots, obs: Observation) -> None:
-        accumulate(slots.state["score"], obs.probs)  # group-summed; rows of padding queries are zero
-
-    def pattern_kept(self, slots: Slots) -> torch.Tensor:
-        """``[B, H, N]`` bool: the slots the base pattern keeps at ``budget - heavy`` among the real ones."""
-        real = slots.pos >= 0
-        priority = self.pattern.priority(slots.pos, slots.last)
-        top = demote(priority, ~real).topk(min(self.share, priority.shape[-1]), dim=-1).indices
-        return torch.zeros_like(real).scatter_(-1, top, True) & real
-
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        return protect(slots.state["score"], self.pattern_kept(slots))
-
-    def scan_rule(self) -> ScoreRule | None:
+    def score_rule(self) -> ScoreRule:
         pattern = self.pattern.scan_pattern()
-        return None if pattern is None else ScoreRule(accumulate=True, kept=pattern)
+        if pattern is None:
+            raise ValueError(f"{self.name}: {self.base.name} states no pattern")
+        return ScoreRule(accumulate=True, kept=pattern)
 
 
 def with_heavy_hitters(base: type[PositionalPolicy]) -> type[HeavyHitters]:

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 from kvsieve.engine.rules import Pattern, ScoreRule
-from kvsieve.policies.base import (
-    SCORE_STATE,
-    Observation,
-    Policy,
-    Slots,
-    in_position_order,
-    protect,
-    recent_mask,
-    register,
-)
+from kvsieve.policies.base import Observation, Slots, register
+from kvsieve.policies.scores import ScorePolicy
 
 
 @dataclass(frozen=True)
@@ -29,23 +18,8 @@ class SnapKVParams:
     """Width of the 1-D max-pooling over positions (odd; 1 = no pooling)."""
 
 
-def pooled_priority(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
-    """``[B, H, N]`` int64: each slot's max of ``score`` over the ``kernel`` slots around it in position order,
-    equal maxima ordered by position (newer higher), as one integer: the pooled maximum's bits in the high half, the
-    position in the low half — priorities whose ties do not depend on the slot layout, with no second sort.
-
-    ``score`` is fp32 and non-negative or ``-inf`` (summed probabilities, masked slots), whose bits order as the
-    int32 they read as."""
-
-    def pooled(ordered: torch.Tensor) -> torch.Tensor:
-        return F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
-
-    bits = in_position_order(pos, pooled, score).view(torch.int32).long()
-    return (bits << 32) | pos.clamp(min=0)  # (an empty slot's -inf is the lowest anyway)
-
-
 @register
-class SnapKV(Policy):
+class SnapKV(ScorePolicy):
     """Keeps the ``window`` newest tokens plus the tokens the observation window attends to most, max-pooled.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024 (arXiv:2404.14469), as
@@ -59,9 +33,10 @@ class SnapKV(Policy):
     (a kvsieve choice): each decode query is in the observation window, so its attention is added to the scores;
     when a step leaves more than ``budget`` tokens, the ``window`` newest are kept and the others compete by pooled
     score (pooling over the held tokens in position order). Scores accumulate while a token is held. Ties of the
-    pooled scores (frequent: neighbours share a maximum) keep the newer token. With a window the rule is a
-    :class:`~kvsieve.engine.rules.ScoreRule` with pooling (``scan_rule``): the stream protocol's scan decides on
-    CPU in one compiled loop, with the same decisions.
+    pooled scores (frequent: neighbours share a maximum) keep the newer token. The priorities are a
+    :class:`~kvsieve.engine.rules.ScoreRule` with pooling (``score_rule``, in torch by
+    :class:`~kvsieve.policies.scores.ScorePolicy`); with a window the rule also observes as a stream does
+    (``scan_rule``), so on CPU the compiled loops run it, with the same decisions.
     """
 
     name = "snapkv"
@@ -76,9 +51,6 @@ class SnapKV(Policy):
         if p.kernel < 1 or p.kernel % 2 == 0:
             raise ValueError(f"snapkv: kernel must be a positive odd number, got {p.kernel}")
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return SCORE_STATE
-
     def observed_rows(self) -> int:
         return self.window
 
@@ -86,13 +58,9 @@ class SnapKV(Policy):
         observing = obs.query_pos > (slots.last[:, None] - self.window)
         slots.state["score"] += (obs.probs * observing[:, None, :, None]).sum(dim=2)
 
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        protected = recent_mask(slots.pos, slots.last, self.window)
-        score = slots.state["score"].masked_fill(protected | (slots.pos < 0), float("-inf"))
-        return protect(pooled_priority(score, slots.pos, self.params.kernel), protected)
+    def score_rule(self) -> ScoreRule:
+        return ScoreRule(accumulate=True, kept=Pattern.window(self.window), pool=self.params.kernel)
 
     def scan_rule(self) -> ScoreRule | None:
         # (in a stream each query is the newest token, inside a window of at least one: every one is counted)
-        if self.window == 0:
-            return None
-        return ScoreRule(accumulate=True, kept=Pattern.window(self.window), pool=self.params.kernel)
+        return None if self.window == 0 else self.score_rule()

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvsieve.engine.rules import ScoreRule
-from kvsieve.policies.base import SCORE_STATE, Observation, Policy, Slots, register
+from kvsieve.policies.base import register
+from kvsieve.policies.scores import ScorePolicy
 
 
 @dataclass(frozen=True)
@@ -18,7 +17,7 @@ class TOVAParams:
 
 
 @register
-class TOVA(Policy):
+class TOVA(ScorePolicy):
     """Keeps the ``budget`` tokens with the highest attention from the newest query; no accumulation.
 
     Oren et al., "Transformers are Multi-State RNNs", 2024 (arXiv:2401.06104), as in the authors' ``TOVACache``:
@@ -29,8 +28,8 @@ class TOVA(Policy):
 
     Choices: with ``per_head=True`` the score is per KV head (its group's query heads summed), which the paper does
     not do. With left padding the step's last query is real in every row. Ties follow ``torch.topk``. The rule is a
-    :class:`~kvsieve.engine.rules.ScoreRule` (``scan_rule``): the stream protocol's scan decides on CPU in one
-    compiled loop, with the same decisions.
+    :class:`~kvsieve.engine.rules.ScoreRule` (``score_rule``), run by the family's torch code
+    (:class:`~kvsieve.policies.scores.ScorePolicy`) or, on CPU, by the compiled loops, with the same decisions.
     """
 
     name = "tova"
@@ -38,20 +37,8 @@ class TOVA(Policy):
     row_additive = True
     Params = TOVAParams
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return SCORE_STATE
-
     def observed_rows(self) -> int:
         return 1
 
-    def observe(self, slots: Slots, obs: Observation) -> None:
-        last = obs.probs[:, :, -1]  # the block's last query; the step's last block is observed last
-        if not self.params.per_head:
-            last = last.sum(dim=1, keepdim=True).expand_as(last)
-        slots.state["score"].copy_(last)
-
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        return slots.state["score"]
-
-    def scan_rule(self) -> ScoreRule:
+    def score_rule(self) -> ScoreRule:
         return ScoreRule(accumulate=False, across_heads=not self.params.per_head)

@@ -153,32 +153,6 @@ def test_only_policies_with_such_a_rule_state_it() -> None:
     assert AhaKV(16, AhaKV.make_params(sgs=False)).scan_rule().logit_scale is None
 
 
-def _pattern_kept(pattern: Pattern, positions: list[int], last: int) -> set[int]:
-    pos = torch.tensor(positions).view(1, 1, -1)
-    kept = torch.empty(len(positions), dtype=torch.bool)
-    fields = (pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span)
-    compiled._pattern_kept(pos.numpy(), 0, 0, last, fields, kept.numpy(), torch.empty(len(positions)).long().numpy())
-    return {p for p, k in zip(positions, kept.tolist(), strict=True) if k}
-
-
-@pytest.mark.parametrize("name", ["local", "strided", "fixed"])
-@pytest.mark.parametrize("budget", [4, 7, 12])
-def test_a_patterns_kept_set_is_its_policys_top_budget(name, budget) -> None:
-    """The loop's reading of a :class:`Pattern` keeps what the positional policy's priorities keep: their top
-    ``budget`` of the real tokens held (empty slots and gaps of evicted positions included)."""
-    policy = REGISTRY[name](budget)
-    gen = torch.Generator().manual_seed(budget)
-    for last in (2, budget, 3 * budget + 1, 50):
-        held = torch.randperm(last + 1, generator=gen)[: min(last + 1, 2 * budget)].tolist()
-        held = [*sorted(set(held) | {last}), -1, -1]
-        pos = torch.tensor(held).view(1, 1, -1)
-        priority = policy.priority(pos, torch.tensor([last]))
-        priority = priority.masked_fill(pos < 0, torch.iinfo(torch.long).min)
-        top = priority.topk(min(budget, len(held)), dim=-1).indices.flatten().tolist()
-        expected = {held[i] for i in top if held[i] >= 0}
-        assert _pattern_kept(policy.scan_pattern(), held, last) == expected
-
-
 def _slots(gen: torch.Generator, n: int, padding: int) -> Slots:
     """A layer's slots in use as a decode step leaves them: two rows, three heads, held positions with gaps in
     any slot order (a victim's slot takes the next token), ``padding`` slots of padding in the first row, scores

@@ -133,7 +133,7 @@ def test_a_row_with_fewer_tokens_than_the_share_protects_only_real_ones() -> Non
     policy = REGISTRY["h2o+strided"](8, REGISTRY["h2o+strided"].make_params(recent=4))
     pos = torch.tensor([[[-1, -1, -1, 0, 1]]])  # (recent_mask marks the padding too here)
     slots = Slots(pos=pos, state={"score": torch.zeros(1, 1, 5)}, last=torch.tensor([1]), keys=None, values=None)
-    assert policy.pattern_kept(slots).tolist() == [[[False, False, False, True, True]]]
+    assert policy.keep_scores(slots).isinf().tolist() == [[[False, False, False, True, True]]]
 
 
 # -- heavy_ratio = 0 is the base policy -----------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import pytest
 import torch
 from policy_runs import Kept, capture, run_kept
 
-from kvsieve.policies.snapkv import SnapKV, pooled_priority
+from kvsieve.policies.scores import pooled_priority
+from kvsieve.policies.snapkv import SnapKV
 
 
 def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int) -> list[Kept]:
