@@ -40,15 +40,13 @@ class Pattern:
         row's newest position is ``last`` ``[B]`` — the rule in torch, which the compiled loops' reading of it
         (:mod:`kvsieve.engine.compiled`) is tested against."""
         newest = last.view(-1, 1, 1)
-        real = pos >= 0
-        held = pos > newest - self.recent
+        kept = pos > (newest - self.recent).clamp(min=-1)  # (real tokens only: their positions are >= 0)
         if self.block > 0:
-            held |= pos >= newest // self.block * self.block
-        kept = real & held
+            kept |= pos >= newest // self.block * self.block
         if self.keep == 0:
             return kept
         # the free places: the highest ranks, the candidates newest first, then the others (positions: distinct)
-        lowest = torch.iinfo(pos.dtype).min
+        real, lowest = pos >= 0, torch.iinfo(pos.dtype).min
         candidate = (pos + self.offset) % self.period < self.span
         rank = torch.where(candidate, pos, pos - (newest + 1)).masked_fill(kept | ~real, lowest)
         top = rank.topk(min(self.keep, rank.shape[-1]), dim=-1)
