@@ -40,7 +40,8 @@ def test_a_short_soak_accounts_for_every_request_and_drains_on_sigterm(soak, tin
     shutdown = report["shutdown"]
     assert shutdown["running_at_signal"] > 0 and shutdown["completed"] == shutdown["streams"]
     rss = report["rss_mib"]
-    assert 0 < rss["start"] <= rss["max_after_warm"] and rss["end"] > 0
+    # (the RSS may fall after the start: the warm-up's and the end's readings are among those after warm-up)
+    assert rss["start"] > 0 and 0 < rss["warm"] <= rss["max_after_warm"] and 0 < rss["end"] <= rss["max_after_warm"]
     assert report["throughput"]["tokens_per_s"] > 0 and report["latency_s"]["p50"] <= report["latency_s"]["p99"]
     assert report["health_polls"]["failed"] == 0 and report["provenance"]["command"][0] == "scripts/serve_soak.py"
     warm = report["warm_up"]  # (the longest prompt per policy, answered before the load)
