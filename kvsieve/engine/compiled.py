@@ -49,14 +49,14 @@ def _pattern_kept(
 ) -> None:
     """``kept`` = the slots of row ``b``, head ``h`` that a :class:`~kvsieve.engine.rules.Pattern` (``pattern``:
     its fields in order) keeps when the newest position is ``last`` (``rank``: scratch)."""
-    keep, recent, block, period, offset, span = pattern
+    keep, recent, block, period, offset, span, sinks = pattern
     n = pos.shape[2]
     start = last // block * block if block > 0 else last + 1
     lowest = np.iinfo(np.int64).min
     free = keep
     for j in range(n):
         p = pos[b, h, j]
-        kept[j] = p >= 0 and (p > last - recent or p >= start)
+        kept[j] = p >= 0 and (p > last - recent or p >= start or p < sinks)
         free -= kept[j]
     if free > 0:  # (the free places: the highest ranks, the candidates newest first, then the others)
         for j in range(n):
@@ -281,9 +281,10 @@ def _decode_marks(probs: np.ndarray, pos: np.ndarray, lasts: np.ndarray, low: np
                 low[b, h, j, column] = total[j] < bar
 
 
-def pattern_fields(pattern: Pattern) -> tuple[int, int, int, int, int, int]:
+def pattern_fields(pattern: Pattern) -> tuple[int, int, int, int, int, int, int]:
     """A :class:`~kvsieve.engine.rules.Pattern`'s fields as the loops take them."""
-    return pattern.keep, pattern.recent, pattern.block, pattern.period, pattern.offset, pattern.span
+    p = pattern
+    return p.keep, p.recent, p.block, p.period, p.offset, p.span, p.sinks
 
 
 def compilations() -> int:
@@ -330,7 +331,7 @@ def compiled_decode(
         _decode_marks(probs.numpy(), pos, last, slots.state["low"].numpy(), rule.by_step)
         return probs, None
     observed = probs
-    if rule.logit_scale is not None:
+    if rule.gain:
         scale = rule.logit_scale(slots.last[:, None])[:, 0] if scale is None else scale
         observed = (logits * scale[:, None, None, None]).softmax(dim=-1)
     _decode_rule(

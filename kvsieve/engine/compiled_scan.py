@@ -253,7 +253,7 @@ def compiled_decide(
     run = logits.detach().numpy(), pos.numpy(), query_pos.numpy()
     if isinstance(rule, ScoreRule):
         padding = (torch.zeros_like(pos, dtype=torch.bool) if pads is None else pads).numpy()
-        scales = torch.ones(query_pos.shape) if rule.logit_scale is None else rule.logit_scale(query_pos)
+        scales = rule.logit_scale(query_pos) if rule.gain else torch.ones(query_pos.shape)
         held = _score_rule(
             *run,
             lasts.numpy(),

@@ -1,26 +1,30 @@
-"""The rules a policy may state (:meth:`~kvsieve.policies.base.Policy.scan_rule`) so that the engine runs its
-decisions without calling it: the stream protocol's scan (:mod:`kvsieve.engine.scan`, compiled loops in
-:mod:`kvsieve.engine.compiled_scan`) and a decode step's observation and victim (:mod:`kvsieve.engine.compiled`).
-Each is tested against the policy's own ``observe`` / ``n_keep`` / ``keep_scores``; a ``ScoreRule``'s and a
-``Pattern``'s once for all their policies, against their torch statement (:class:`~kvsieve.policies.scores.ScorePolicy`,
-:meth:`Pattern.kept`)."""
+"""The rules of the eviction families (:mod:`kvsieve.policies.families`, and a :class:`Pattern`'s positional
+policies), which a policy states so that the engine runs its decisions without calling it: the stream protocol's scan
+(:mod:`kvsieve.engine.scan`, compiled loops in :mod:`kvsieve.engine.compiled_scan`) and a decode step's observation
+and victim (:mod:`kvsieve.engine.compiled`). Each compiled reading is tested once per family against the family's
+torch statement."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+PROTECTED = torch.iinfo(torch.long).max
+"""The priority of a protected slot in an integer priority (one built from positions)."""
+
 
 @dataclass(frozen=True)
 class Pattern:
-    """Which held tokens a rule keeps whatever their scores, from positions alone (the newest position ``last``):
-    the real tokens at the ``recent`` newest positions and, with a ``block``, those of ``last``'s block
-    (``p >= last // block · block``) are kept; then, while fewer than ``keep`` are, the candidates
-    (``(p + offset) % period < span``) newest first, then the others newest first. As
-    :meth:`~kvsieve.policies.base.PositionalPolicy.priority` ranks them (``local``, ``strided``, ``fixed``; at most
-    ``keep`` protected)."""
+    """Which held tokens a rule keeps from positions alone (the newest position ``last``), at most ``keep`` of them:
+    the real tokens at the ``sinks`` first positions, at the ``recent`` newest and, with a ``block``, those of
+    ``last``'s block (``p >= last // block · block``) are protected; then, while fewer than ``keep`` are kept, the
+    candidates (``(p + offset) % period < span``) newest first, then the others newest first.
+
+    The positional policies are patterns (:class:`~kvsieve.policies.base.PatternPolicy`: ``local``,
+    ``streaming_llm``, ``strided``, ``fixed``), the ``h2o+`` policies keep one whatever their scores, and a recent
+    window (:meth:`window`) is one. :meth:`priority` is the pattern's one statement; :meth:`kept` is its top ``keep``,
+    which the compiled loops' reading (:mod:`kvsieve.engine.compiled`) is tested against."""
 
     keep: int
     recent: int = 0
@@ -28,49 +32,77 @@ class Pattern:
     period: int = 1
     offset: int = 0
     span: int = 0
+    sinks: int = 0
 
     @classmethod
     def window(cls, n: int) -> Pattern:
-        """The tokens at the ``n`` newest positions, nothing else (a recent window:
-        :func:`~kvsieve.policies.base.recent_mask`)."""
+        """The tokens at the ``n`` newest positions, nothing else (a recent window)."""
         return cls(keep=0, recent=n)
 
-    def kept(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """``[B, H, N]`` bool: the slots (their tokens at positions ``pos``, -1 = empty) the pattern keeps when each
-        row's newest position is ``last`` ``[B]`` — the rule in torch, which the compiled loops' reading of it
-        (:mod:`kvsieve.engine.compiled`) is tested against."""
+    def protected(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N]`` bool: the slots (their tokens at positions ``pos``, -1 = empty) of real tokens among the
+        sinks, the recent window or the newest token's block when each row's newest position is ``last`` ``[B]``."""
         newest = last.view(-1, 1, 1)
         kept = pos > (newest - self.recent).clamp(min=-1)  # (real tokens only: their positions are >= 0)
         if self.block > 0:
             kept |= pos >= newest // self.block * self.block
+        if self.sinks > 0:
+            kept |= (pos >= 0) & (pos < self.sinks)
+        return kept
+
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N]`` int64 priorities (higher kept): :data:`PROTECTED` for :meth:`protected`, then the
+        candidates by position, then the others by position (below every candidate). Padding falls among the
+        others; the engine never keeps it over real tokens."""
+        return self._ranked(pos, last, self.protected(pos, last))
+
+    def kept(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N]`` bool: the slots the pattern keeps — :meth:`protected` and, up to ``keep`` in all, the real
+        tokens of the highest :meth:`priority`."""
+        protected = self.protected(pos, last)
         if self.keep == 0:
-            return kept
-        # the free places: the highest ranks, the candidates newest first, then the others (positions: distinct)
-        real, lowest = pos >= 0, torch.iinfo(pos.dtype).min
-        candidate = (pos + self.offset) % self.period < self.span
-        rank = torch.where(candidate, pos, pos - (newest + 1)).masked_fill(kept | ~real, lowest)
-        top = rank.topk(min(self.keep, rank.shape[-1]), dim=-1)
-        free = self.keep - kept.sum(dim=-1, keepdim=True)
-        take = (torch.arange(top.values.shape[-1], device=pos.device) < free) & (top.values > lowest)
-        return kept | torch.zeros_like(kept).scatter_(-1, top.indices, take)
+            return protected
+        real = pos >= 0
+        ranked = self._ranked(pos, last, protected).masked_fill(~real, torch.iinfo(pos.dtype).min)
+        top = ranked.topk(min(self.keep, pos.shape[-1]), dim=-1).indices
+        return protected | torch.zeros_like(protected).scatter_(-1, top, True) & real
+
+    def _ranked(self, pos: torch.Tensor, last: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        """:meth:`priority`, given :meth:`protected`."""
+        rank = pos
+        if self.span > 0:
+            candidate = (pos + self.offset) % self.period < self.span
+            rank = torch.where(candidate, pos, pos - (last.view(-1, 1, 1) + 1))
+        return rank.masked_fill(protected, PROTECTED)
+
+
+def step_gain(count: torch.Tensor, budget: int) -> torch.Tensor:
+    """The step-gain softmax's multiplier of the scaled logits of a row that has seen ``count`` tokens (fp32) at a
+    ``budget`` ``k``: ``sqrt(2 ln(count / k))``, 0 (uniform) while ``count <= k`` (AhaKV's SGS)."""
+    return (2 * torch.log(count / budget)).clamp(min=0).sqrt()
 
 
 @dataclass(frozen=True)
 class ScoreRule:
     """A rule a policy's ``observe`` and ``keep_scores`` may follow when each step is one query (a stream's token):
-    the query's attention probabilities (its logits first multiplied by ``logit_scale(query_pos)`` ``[B, c]`` where
-    given), summed over its GQA group (and then over the layer's KV heads, ``across_heads``), are added to the
-    ``score`` state (``SCORE_STATE`` and ``accumulate`` of :mod:`kvsieve.policies.base`) or replace it; the victim
-    is the lowest-scored slot outside what ``kept`` keeps — with ``pool`` > 0, the lowest maximum of the scores over
-    the ``pool`` held slots around it in position order (the kept ones count as ``-inf``; SnapKV's pooling), the
-    oldest of equal ones. A ``logit_scale`` that compares equal for equal arguments (a frozen dataclass) is computed
-    once per decode step for all the layers that hold an equal one."""
+    the query's attention probabilities (with a ``gain`` ``k`` > 0, the step-gain softmax's: its logits first
+    multiplied by :meth:`logit_scale`), summed over its GQA group (and then over the layer's KV heads,
+    ``across_heads``), are added to the ``score`` state (``SCORE_STATE`` and ``accumulate`` of
+    :mod:`kvsieve.policies.base`) or replace it; the victim is the lowest-scored slot outside what ``kept`` keeps —
+    with ``pool`` > 0, the lowest maximum of the scores over the ``pool`` held slots around it in position order (the
+    kept ones count as ``-inf``; SnapKV's pooling), the oldest of equal ones. The multiplier depends on the rows'
+    positions and ``gain`` alone: the layers of a decode step with equal gains compute it once."""
 
     accumulate: bool
     kept: Pattern = Pattern(keep=0)
     across_heads: bool = False
     pool: int = 0
-    logit_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gain: int = 0
+
+    def logit_scale(self, query_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, c]`` fp32: :func:`step_gain` at ``gain`` of the rows at ``query_pos`` ``[B, c]`` (the tokens they
+        have seen: their position + 1)."""
+        return step_gain((query_pos + 1).float(), self.gain)
 
 
 @dataclass(frozen=True)

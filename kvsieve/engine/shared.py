@@ -163,10 +163,10 @@ class _SharedLayer(_Together):
 def _rows(obs: Observation, start: int, lo: int, hi: int, end: int, policy: Policy, view: Slots) -> Observation | None:
     """Rows ``lo:hi`` of ``obs`` (whose first row is row ``start`` of the prompt) as the step of a cache that took
     the prompt's first ``end`` tokens observes them: over its slots up to its own last token (all of them for a
-    policy that observes every slot), a step of ``end`` rows. None when ``obs`` has none of those rows."""
+    policy that reads keys or values), a step of ``end`` rows. None when ``obs`` has none of those rows."""
     if lo >= hi:
         return None
-    cols = end if policy.observes_all_slots else min(obs.key_pos.shape[-1], end)
+    cols = end if policy.reads_kv else min(obs.key_pos.shape[-1], end)
     have = obs.key_pos.shape[-1]
     if lo == start and hi - start == obs.query_pos.shape[1] and cols == have and end == obs.step_rows:
         return obs  # (all of it: the pass's slots are the cache's, positions and all)

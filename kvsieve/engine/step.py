@@ -128,7 +128,7 @@ def _attend(
     seen = Visibility(
         restrict=policy.stream_visible if closed_form and q > 1 else None,
         all_visible=q == 1 and chunk.padding is None and args.window is None and not store.may_hold_padding,
-        causal_tail=not policy.observes_all_slots,  # (the chunk's tokens are the last q slots, in order)
+        causal_tail=not policy.reads_kv,  # (the chunk's tokens are the last q slots, in order)
     )
     observes = layer.observes
     if (
@@ -180,9 +180,9 @@ def _decide_by_rule(
     will_evict = layer.n_keep(used) == used - 1
     victims = victims_buffer(layer, keys)
     scale = None
-    if isinstance(rule, ScoreRule) and rule.logit_scale is not None:  # (made once for the layers of equal rules)
+    if isinstance(rule, ScoreRule) and rule.gain:  # (made once for the layers of equal gains)
         scale = layer.memo.derive(
-            ("logit_scale", rule.logit_scale), slots.last, lambda: rule.logit_scale(slots.last[:, None])[:, 0]
+            ("logit_scale", rule.gain), slots.last, lambda: rule.logit_scale(slots.last[:, None])[:, 0]
         )
     ranked = ranked_buffer(layer, slots.pos) if isinstance(rule, ScoreRule) and rule.pool else None
     out, ruled = decided_attention(

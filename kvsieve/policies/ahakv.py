@@ -8,9 +8,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvsieve.engine.rules import Pattern, ScoreRule
+from kvsieve.engine.rules import Pattern, ScoreRule, step_gain
 from kvsieve.policies.base import Observation, Slots, accumulate, in_position_order, register
-from kvsieve.policies.scores import ScorePolicy, scaled_probs
+from kvsieve.policies.families import ScorePolicy, scaled_probs
 
 
 @dataclass(frozen=True)
@@ -33,35 +33,13 @@ class AhaKVParams:
     """Odd window of the value prior's average pooling (our choice; the paper does not state it)."""
 
 
-def step_gain(count: torch.Tensor, budget: int) -> torch.Tensor:
-    """SGS's multiplier of the scaled logits of a row that has seen ``count`` tokens (fp32): ``sqrt(2 ln(i/k))``,
-    0 (uniform) while ``i <= k``."""
-    return (2 * torch.log(count / budget)).clamp(min=0).sqrt()
-
-
-def seen_gain(query_pos: torch.Tensor, budget: int) -> torch.Tensor:
-    """:func:`step_gain` of the rows at ``query_pos`` (the tokens they have ``seen``: their position + 1)."""
-    return step_gain((query_pos + 1).float(), budget)
-
-
-@dataclass(frozen=True)
-class SeenGain:
-    """:func:`seen_gain` at a ``budget``, as a rule's ``logit_scale``: equal for equal budgets, so the layers of a
-    decode step compute it once (:meth:`~kvsieve.engine.plan.StepMemo.derive`)."""
-
-    budget: int
-
-    def __call__(self, query_pos: torch.Tensor) -> torch.Tensor:
-        return seen_gain(query_pos, self.budget)
-
-
 def step_gain_probs(obs: Observation, budget: int, tokens: str = "seen") -> torch.Tensor:
     """``[B, H, b, N]`` SG-softmax of each row, the group's query heads summed (padding rows zero); ``i`` is the
-    number of tokens the row has ``seen`` or the number ``kept`` in its softmax (see :class:`AhaKVParams`)."""
+    number of tokens the row has ``seen`` (its position + 1) or the number ``kept`` in its softmax (see
+    :class:`AhaKVParams`)."""
     # [B, 1, b] with its own token, or [B, H, b]
-    seen = tokens == "seen"
-    gain = seen_gain(obs.query_pos, budget)[:, None] if seen else step_gain(obs.allowed.sum(dim=-1).float(), budget)
-    return scaled_probs(obs, gain)
+    count = (obs.query_pos + 1)[:, None] if tokens == "seen" else obs.allowed.sum(dim=-1)
+    return scaled_probs(obs, step_gain(count.float(), budget))
 
 
 def value_prior(slots: Slots, kernel: int) -> torch.Tensor:
@@ -130,7 +108,7 @@ class AhaKV(ScorePolicy):
     ``vpe=False`` sets ``γ̄ = 1``. Choices: a GQA group's query heads are scored separately (SG-softmax per head)
     and summed, as H2O does; padding queries add nothing. The priorities are the
     :class:`~kvsieve.engine.rules.ScoreRule` of the family (``score_rule``, in torch by
-    :class:`~kvsieve.policies.scores.ScorePolicy`); the prompt's rows (RA, VPE) are this policy's own ``observe``.
+    :class:`~kvsieve.policies.families.ScorePolicy`); the prompt's rows (RA, VPE) are this policy's own ``observe``.
     In a stream every step is one query (no value prior; RA counts it): the rule, with SGS's multiplier of the
     logits, is then the whole policy (``scan_rule``; not with ``sgs_tokens="kept"``), and on CPU the compiled loops
     run it, with the same decisions.
@@ -138,8 +116,7 @@ class AhaKV(ScorePolicy):
 
     name = "ahakv"
     paper = "Gu et al., AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction, 2025 (arXiv:2506.03762)"
-    observes_all_slots = True  # the value prior is normalised over all the slots held at the step
-    reads_kv = True  # (the value prior)
+    reads_kv = True  # the value prior, normalised over all the slots held at the step
     Params = AhaKVParams
 
     def setup(self) -> None:
@@ -170,8 +147,8 @@ class AhaKV(ScorePolicy):
     def score_rule(self) -> ScoreRule:
         # (a stream's steps are single queries: no value prior, and RA counts each, its position being the newest)
         p = self.params
-        scale = SeenGain(self.budget) if p.sgs and p.sgs_decode and p.sgs_tokens == "seen" else None
-        return ScoreRule(accumulate=True, kept=Pattern.window(self.recent), logit_scale=scale)
+        gain = self.budget if p.sgs and p.sgs_decode and p.sgs_tokens == "seen" else 0
+        return ScoreRule(accumulate=True, kept=Pattern.window(self.recent), gain=gain)
 
     def scan_rule(self) -> ScoreRule | None:
         p = self.params

@@ -17,8 +17,10 @@ engine owns the storage (slots) and calls the policy at each forward step of tha
 A policy that overrides ``narrow(logits, allowed)`` restricts the keys each query head attends to (``topk_oracle``).
 A :class:`PositionalPolicy` gives priorities from positions alone (``priority(pos, last)``): every layer with the
 same policy then evicts the same slots, and the engine decides once per step for all of them. A
-:class:`SinkWindow` (``local``, ``streaming_llm``) keeps the first ``sinks`` tokens and the newest others: what a
-query sees when tokens arrive one at a time is known in closed form, so the stream protocol attends whole chunks.
+:class:`PatternPolicy` states them as a :class:`~kvsieve.engine.rules.Pattern` (``local``, ``streaming_llm``,
+``strided``, ``fixed``); a :class:`SinkWindow` (``local``, ``streaming_llm``) keeps the first ``sinks`` tokens and
+the newest others: what a query sees when tokens arrive one at a time is known in closed form, so the stream
+protocol attends whole chunks.
 
 Per-slot state is declared by ``state_spec`` and stored by the engine next to the keys (slot dimension 2), so it
 moves with its token when slots are evicted, compacted or reordered. New slots start at zero, or at what
@@ -26,9 +28,9 @@ moves with its token when slots are evicted, compacted or reordered. New slots s
 
 A policy whose ``observe`` and ``keep_scores`` follow one of the rules the engine has as compiled loops states it
 with ``scan_rule`` (:mod:`kvsieve.engine.rules`: ``ScoreRule``, ``LowMarks``, ``FixedPriority``): the stream
-protocol's scan and a decode step's victim then run without calling them, with the same decisions (tested against
-the calls). The accumulated-score family's ``observe`` and ``keep_scores`` are written once, from its rule
-(:class:`~kvsieve.policies.scores.ScorePolicy`).
+protocol's scan and a decode step's victim then run without calling them, with the same decisions. A policy of a
+family states only its rule; the family's class (:mod:`kvsieve.policies.families`) is the rule's one torch
+statement, which the compiled loops are tested against.
 
 A new policy is one file in this package with a :func:`register`-decorated subclass.
 """
@@ -45,10 +47,8 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from kvsieve.engine.rules import Pattern, ScanRule
+from kvsieve.engine.rules import PROTECTED, Pattern, ScanRule
 
-PROTECTED = torch.iinfo(torch.long).max
-"""The priority of a protected slot in an integer priority (one built from positions)."""
 SCORE_STATE: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"score": ((), torch.float32)}
 """The per-slot state of policies that accumulate one fp32 score per token."""
 
@@ -178,12 +178,12 @@ class Policy:
     """Whether observing query rows together in one step leaves the same state as observing them one step each
     (when nothing is evicted in between). The stream protocol then feeds the tokens that fit before the first
     eviction as one chunk. Policies that do not observe are chunked anyway."""
-    observes_all_slots: ClassVar[bool] = False
-    """Whether :meth:`observe` needs every slot even for a block of prompt rows that can see only the slots before
-    its own last token (otherwise the engine computes and observes just those: the rest would get zero)."""
     reads_kv: ClassVar[bool] = False
-    """Whether :meth:`observe` or :meth:`keep_scores` read ``slots.keys`` or ``slots.values`` (otherwise the engine
-    may pass them unfinished: a scan over quantized slots then skips building each token's view of them)."""
+    """Whether :meth:`observe` or :meth:`keep_scores` read ``slots.keys`` or ``slots.values``: the engine then passes
+    them finished (otherwise a scan over quantized slots skips building each token's view of them) and lets a block
+    of prompt rows observe every slot the layer holds, not just those before the block's own last token (which are
+    all its rows see: the others would get zero), so that a statistic over the slots (ahakv's value prior) covers
+    them all."""
     needs_attention: ClassVar[bool] = False
     """Inferred: whether the policy overrides :meth:`observe` or :meth:`narrow` (only then does the engine compute
     attention probabilities)."""
@@ -313,16 +313,29 @@ class PositionalPolicy(Policy):
         newest position is ``last`` ``[B]``."""
         raise NotImplementedError
 
-    def scan_pattern(self) -> Pattern | None:
-        """:meth:`priority`'s top ``budget`` as a :class:`Pattern`, for the compiled scan of a rule that keeps this
-        pattern (the ``h2o+`` policies), or None (the default): no such pattern."""
-        return None
-
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return self.priority(slots.pos, slots.last)
 
 
-class SinkWindow(PositionalPolicy):
+class PatternPolicy(PositionalPolicy):
+    """A positional policy that keeps a :class:`~kvsieve.engine.rules.Pattern` at its budget: it writes
+    :meth:`pattern` (its parameters as a pattern) and nothing else; its priorities are the pattern's, and a rule
+    that keeps its pattern whatever the scores (the ``h2o+`` policies) runs compiled."""
+
+    def __init__(self, budget: int | None, params: Any = None) -> None:
+        super().__init__(budget, params)
+        self.kept = self.pattern()
+        """:meth:`pattern`, stated once (the parameters never change)."""
+
+    def pattern(self) -> Pattern:
+        """The pattern the policy keeps (called once, after ``setup``; ``keep`` is the budget)."""
+        raise NotImplementedError
+
+    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        return self.kept.priority(pos, last)
+
+
+class SinkWindow(PatternPolicy):
     """Keeps the first ``sinks`` real tokens of each row and the newest others (the ``local`` window: no sinks).
 
     What a query sees when tokens are fed one at a time is known in closed form (:meth:`stream_visible`), so the
@@ -331,9 +344,8 @@ class SinkWindow(PositionalPolicy):
     sinks = 0
     """The first positions always kept (set by subclasses in ``setup``)."""
 
-    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        # padding (position -1) falls under the sinks here, but the engine never keeps it over real tokens
-        return pos.masked_fill(pos < self.sinks, PROTECTED) if self.sinks else pos
+    def pattern(self) -> Pattern:
+        return Pattern(keep=self.budget, recent=self.budget - self.sinks, sinks=self.sinks)
 
     def stream_visible(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         """``[B, H, b, N]``: whether the query at ``query_pos`` ``[B, b]`` sees the token at ``key_pos``
@@ -401,15 +413,6 @@ def parse_param(policy: str, name: str, kind: Any, value: Any) -> Any:
     except ValueError:
         expected = _expected(kind) + (" or none" if optional else "")
         raise ValueError(f"invalid value {value!r} for {policy} parameter {name!r} (expected {expected})") from None
-
-
-def recent_mask(pos: torch.Tensor, last: torch.Tensor, recent: int) -> torch.Tensor:
-    """``[B, H, N]`` True for the ``recent`` newest real tokens of each row (slots at positions ``pos``, each row's
-    newest position ``last``).
-
-    Padding slots (position -1) are marked too while a row has seen fewer than ``recent`` tokens: the engine never
-    keeps padding over real tokens, whatever its priority."""
-    return pos > (last - recent).view(-1, 1, 1)
 
 
 @functools.cache

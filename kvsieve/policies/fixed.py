@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvsieve.engine.rules import Pattern
-from kvsieve.policies.base import PositionalPolicy, register
-from kvsieve.policies.strided import pattern_scores
+from kvsieve.policies.base import PatternPolicy, register
 
 
 @dataclass(frozen=True)
@@ -21,7 +18,7 @@ class FixedParams:
 
 
 @register
-class Fixed(PositionalPolicy):
+class Fixed(PatternPolicy):
     """Keeps the tokens of the current block plus the last ``summary`` tokens of every earlier block, newest first.
 
     Child et al., "Generating Long Sequences with Sparse Transformers", 2019 (arXiv:1904.10509), the fixed pattern,
@@ -50,12 +47,6 @@ class Fixed(PositionalPolicy):
         if not 1 <= self.summary <= self.block:
             raise ValueError(f"fixed: summary must be in [1, block={self.block}], got {self.summary}")
 
-    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        start = last.div(self.block, rounding_mode="floor") * self.block
-        current = pos >= start[:, None, None]
-        summary = pos % self.block >= self.block - self.summary
-        return pattern_scores(pos, last, current, summary)
-
-    def scan_pattern(self) -> Pattern:
+    def pattern(self) -> Pattern:
         # (a summary position: p % block >= block - summary, i.e. (p + summary) % block < summary)
         return Pattern(keep=self.budget, block=self.block, period=self.block, offset=self.summary, span=self.summary)

@@ -10,7 +10,7 @@ import torch
 
 from kvsieve.engine.rules import Pattern, ScoreRule
 from kvsieve.policies.base import Observation, Slots, accumulate, group_sum, protect, register
-from kvsieve.policies.scores import ScorePolicy
+from kvsieve.policies.families import ScorePolicy
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class H2O(ScorePolicy):
     Choices: padding queries add nothing; the original code assumes batch size 1 and sums the batch dimension,
     here every batch row keeps its own scores. Ties in the top-k follow ``torch.topk``. The rule is a
     :class:`~kvsieve.engine.rules.ScoreRule` (``score_rule``), run by the family's torch code
-    (:class:`~kvsieve.policies.scores.ScorePolicy`) or, with the default ``transform`` and no ``normalize``
+    (:class:`~kvsieve.policies.families.ScorePolicy`) or, with the default ``transform`` and no ``normalize``
     (``scan_rule``), on CPU by the compiled loops, with the same decisions.
 
     Variants:

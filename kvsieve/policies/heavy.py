@@ -8,11 +8,11 @@ import typing
 from typing import Any, ClassVar
 
 from kvsieve.engine.rules import ScoreRule
-from kvsieve.policies.base import PositionalPolicy, register
+from kvsieve.policies.base import PatternPolicy, register
+from kvsieve.policies.families import ScorePolicy
 from kvsieve.policies.fixed import Fixed
 from kvsieve.policies.h2o import H2O
 from kvsieve.policies.local import Local
-from kvsieve.policies.scores import ScorePolicy
 from kvsieve.policies.strided import Strided
 
 
@@ -45,11 +45,11 @@ class HeavyHitters(ScorePolicy):
     positions). The combined policy is not positional (every layer decides alone, by its own scores). Every batch
     row keeps its own scores, like ``h2o``. The rule is a :class:`~kvsieve.engine.rules.ScoreRule` whose kept set
     is the base's :class:`~kvsieve.engine.rules.Pattern` (``score_rule``; its reading is tested to keep the base's
-    top ``B - heavy``), run by the family's torch code (:class:`~kvsieve.policies.scores.ScorePolicy`) or, on CPU,
+    top ``B - heavy``), run by the family's torch code (:class:`~kvsieve.policies.families.ScorePolicy`) or, on CPU,
     by the compiled loops, with the same decisions.
     """
 
-    base: ClassVar[type[PositionalPolicy]]
+    base: ClassVar[type[PatternPolicy]]
     """The positional pattern combined with heavy hitters (set by :func:`with_heavy_hitters`)."""
     row_additive = True
 
@@ -62,20 +62,17 @@ class HeavyHitters(ScorePolicy):
         names = [f.name for f in dataclasses.fields(self.base.Params)]
         base_params = self.base.Params(**{name: getattr(self.params, name) for name in names})
         try:
-            self.pattern = self.base(self.share, base_params)
+            self.base_policy = self.base(self.share, base_params)
         except ValueError as err:
             raise ValueError(
                 f"{self.name}: {err} (the pattern's share: budget {self.budget} - heavy {self.heavy})"
             ) from None
 
     def score_rule(self) -> ScoreRule:
-        pattern = self.pattern.scan_pattern()
-        if pattern is None:
-            raise ValueError(f"{self.name}: {self.base.name} states no pattern")
-        return ScoreRule(accumulate=True, kept=pattern)
+        return ScoreRule(accumulate=True, kept=self.base_policy.kept)
 
 
-def with_heavy_hitters(base: type[PositionalPolicy]) -> type[HeavyHitters]:
+def with_heavy_hitters(base: type[PatternPolicy]) -> type[HeavyHitters]:
     """A registered policy ``h2o+<base.name>``: ``base``'s pattern at ``budget - heavy`` plus heavy hitters.
 
     Its ``Params`` is a frozen dataclass with ``base``'s parameters (same annotations and defaults) and

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve.engine.rules import FixedPriority, drop_in_bulk
-from kvsieve.policies.base import Policy, Slots, protect, recent_mask, register
+from kvsieve.engine.rules import FixedPriority
+from kvsieve.policies.base import register
+from kvsieve.policies.families import PriorityPolicy
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class KNormParams:
 
 
 @register
-class KNorm(Policy):
+class KNorm(PriorityPolicy):
     """Keeps the ``budget`` tokens whose cached keys have the lowest L2 norm (plus the ``recent`` newest).
 
     Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024
@@ -45,8 +46,8 @@ class KNorm(Policy):
     32 → 22.27, 204 → 22.71. Default ``recent = min(32, budget // 2)``: the best of both protocols together;
     ``recent=0`` is the paper's bare rule (kvpress's ``KnormPress``).
 
-    The rule is :class:`~kvsieve.engine.rules.FixedPriority` (``scan_rule``): the stream protocol's scan decides on
-    CPU in one compiled loop, with the same decisions.
+    The rule is :class:`~kvsieve.engine.rules.FixedPriority` (``priority_rule``), run by its family's torch code
+    (:class:`~kvsieve.policies.families.PriorityPolicy`) or, on CPU, by the compiled loops, with the same decisions.
     """
 
     name = "knorm"
@@ -63,23 +64,11 @@ class KNorm(Policy):
                 f"knorm: drop must be in [1, budget + 1 - recent = {self.budget + 1 - self.recent}], got {p.drop}"
             )
 
-    def n_keep(self, n: int, limit: int | None = None) -> int:
-        return drop_in_bulk(n, self.budget if limit is None else limit, self.params.drop)
+    def priority_rule(self) -> FixedPriority:
+        return FixedPriority(self.recent, self.params.drop)
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"priority": ((), torch.int64)}
-
-    def initial_state(self, keys: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+    def initial_priority(self, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         norm = torch.linalg.vector_norm(keys.float(), dim=-1).to(torch.float16)
         # The bit patterns of non-negative float16 numbers order like their values (< 2**15): one exact integer
         # key ranks the lowest norm first and, among equal norms, the newest token first.
-        return {"priority": torch.sub(pos, norm.view(torch.int16), alpha=2**32)}
-
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        priority = slots.state["priority"]
-        if self.recent:
-            priority = protect(priority, recent_mask(slots.pos, slots.last, self.recent))
-        return priority
-
-    def scan_rule(self) -> FixedPriority:
-        return FixedPriority(self.recent, self.params.drop)
+        return torch.sub(pos, norm.view(torch.int16), alpha=2**32)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from kvsieve.engine.rules import Pattern
 from kvsieve.policies.base import SinkWindow, register
 
 
@@ -16,6 +15,3 @@ class Local(SinkWindow):
 
     name = "local"
     paper = "Beltagy et al., Longformer, 2020 (window attention baseline in H2O / StreamingLLM)"
-
-    def scan_pattern(self) -> Pattern:
-        return Pattern(keep=self.budget, recent=self.budget)

@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-import torch.nn.functional as F
-
-from kvsieve.engine.rules import LowMarks, drop_in_bulk
-from kvsieve.policies.base import Observation, Policy, Slots, protect, recent_mask, register
+from kvsieve.engine.rules import LowMarks
+from kvsieve.policies.base import register
+from kvsieve.policies.families import MarksPolicy
 
 
 @dataclass(frozen=True)
@@ -26,7 +24,7 @@ class ScissorhandsParams:
 
 
 @register
-class Scissorhands(Policy):
+class Scissorhands(MarksPolicy):
     """Scissorhands: keep the pivotal tokens, i.e. drop those that keep getting below-average attention.
 
     Liu et al., "Scissorhands: Exploiting the Persistence of Importance Hypothesis for LLM KV Cache Compression at
@@ -60,13 +58,12 @@ class Scissorhands(Policy):
       next to 256 bytes of bf16 K+V for head_dim 64; packing bits would divide it by 8.
     - Ties in the count: the older token is dropped first. Padding queries mark nothing.
 
-    The rule is :class:`~kvsieve.engine.rules.LowMarks` (``scan_rule``): the stream protocol's scan decides on CPU
-    in one compiled loop, with the same decisions.
+    The rule is :class:`~kvsieve.engine.rules.LowMarks` (``marks_rule``), run by its family's torch code
+    (:class:`~kvsieve.policies.families.MarksPolicy`) or, on CPU, by the compiled loops, with the same decisions.
     """
 
     name = "scissorhands"
     paper = "Liu et al., Scissorhands: Persistence of Importance, NeurIPS 2023 (arXiv:2305.17118)"
-    row_additive = True
     Params = ScissorhandsParams
 
     def setup(self) -> None:
@@ -83,38 +80,5 @@ class Scissorhands(Policy):
             )
         self.drop, self.recent = drop, recent
 
-    def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"low": ((self.params.window,), torch.bool)}
-
-    def observed_rows(self) -> int:
-        return self.params.window  # (the last w rows rewrite every column of the ring)
-
-    def observe(self, slots: Slots, obs: Observation) -> None:
-        w = self.params.window
-        # Only the block's last w rows can still be in the window; their positions are distinct mod w.
-        probs, allowed, query_pos = obs.probs[:, :, -w:], obs.allowed[:, :, -w:], obs.query_pos[:, -w:]
-        if self.params.threshold == "paper":
-            t = (query_pos + 1).clamp(min=1)[:, None, :, None]  # the step: tokens seen, its own included
-        else:
-            t = allowed.sum(dim=-1, keepdim=True)
-        low = allowed & (probs < obs.logits.shape[2] / t)  # [B, H, b, N]
-        ring = slots.state["low"]
-        if low.shape[2] == 1:  # one row (a decode step): it rewrites its own column, a padding row nothing
-            column = (query_pos.clamp(min=0) % w)[:, None, :, None].expand(*ring.shape[:3], 1)
-            real = (query_pos >= 0)[:, None, :, None]
-            ring.scatter_(3, column, torch.where(real, low.transpose(2, 3), ring.gather(3, column)))
-            return
-        column = F.one_hot(query_pos.clamp(min=0) % w, w) * (query_pos >= 0)[..., None]  # [B, b, w]
-        marks = torch.einsum("bhrn,brc->bhnc", low.float(), column.float()) > 0
-        ring.copy_(torch.where(column.any(dim=1)[:, None, None, :], marks, ring))
-
-    def n_keep(self, n: int, limit: int | None = None) -> int:
-        return drop_in_bulk(n, self.budget if limit is None else limit, self.drop)
-
-    def keep_scores(self, slots: Slots) -> torch.Tensor:
-        count = slots.state["low"].sum(dim=-1)
-        score = (slots.pos - count * (slots.last[:, None, None] + 1)).double()  # fewest marks first, then newest
-        return protect(score, recent_mask(slots.pos, slots.last, self.recent))
-
-    def scan_rule(self) -> LowMarks:
+    def marks_rule(self) -> LowMarks:
         return LowMarks(self.params.window, self.recent, self.drop, by_step=self.params.threshold == "paper")

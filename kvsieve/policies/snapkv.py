@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvsieve.engine.rules import Pattern, ScoreRule
 from kvsieve.policies.base import Observation, Slots, register
-from kvsieve.policies.scores import ScorePolicy
+from kvsieve.policies.families import ScorePolicy
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SnapKV(ScorePolicy):
     score (pooling over the held tokens in position order). Scores accumulate while a token is held. Ties of the
     pooled scores (frequent: neighbours share a maximum) keep the newer token. The priorities are a
     :class:`~kvsieve.engine.rules.ScoreRule` with pooling (``score_rule``, in torch by
-    :class:`~kvsieve.policies.scores.ScorePolicy`); with a window the rule also observes as a stream does
+    :class:`~kvsieve.policies.families.ScorePolicy`); with a window the rule also observes as a stream does
     (``scan_rule``), so on CPU the compiled loops run it, with the same decisions.
     """
 

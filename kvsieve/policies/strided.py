@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvsieve.engine.rules import Pattern
-from kvsieve.policies.base import PositionalPolicy, protect, recent_mask, register
+from kvsieve.policies.base import PatternPolicy, register
 
 
 @dataclass(frozen=True)
@@ -18,18 +16,8 @@ class StridedParams:
     """Period of the kept earlier positions; default the local window (Child et al. use one length ``l`` for both)."""
 
 
-def pattern_scores(
-    pos: torch.Tensor, last: torch.Tensor, protected: torch.Tensor, candidate: torch.Tensor
-) -> torch.Tensor:
-    """Priorities of a static pattern fitted to a budget: ``protected`` tokens first, then the pattern's other
-    ``candidate`` tokens newest first, then the remaining tokens newest first (they only fill a budget the pattern
-    leaves free). Integer priorities (positions), so no conversion."""
-    others = pos - (last[:, None, None] + 1)  # negative: below every candidate
-    return protect(torch.where(candidate, pos, others), protected)
-
-
 @register
-class Strided(PositionalPolicy):
+class Strided(PatternPolicy):
     """Keeps a local window of the newest tokens plus every ``stride``-th earlier position, newest first.
 
     Child et al., "Generating Long Sequences with Sparse Transformers", 2019 (arXiv:1904.10509), the strided
@@ -60,8 +48,5 @@ class Strided(PositionalPolicy):
         if self.stride < 1:
             raise ValueError(f"strided: stride must be >= 1, got {self.stride}")
 
-    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        return pattern_scores(pos, last, recent_mask(pos, last, self.recent), pos % self.stride == 0)
-
-    def scan_pattern(self) -> Pattern:
+    def pattern(self) -> Pattern:
         return Pattern(keep=self.budget, recent=self.recent, period=self.stride, span=1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvsieve.engine.rules import ScoreRule
 from kvsieve.policies.base import register
-from kvsieve.policies.scores import ScorePolicy
+from kvsieve.policies.families import ScorePolicy
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class TOVA(ScorePolicy):
     Choices: with ``per_head=True`` the score is per KV head (its group's query heads summed), which the paper does
     not do. With left padding the step's last query is real in every row. Ties follow ``torch.topk``. The rule is a
     :class:`~kvsieve.engine.rules.ScoreRule` (``score_rule``), run by the family's torch code
-    (:class:`~kvsieve.policies.scores.ScorePolicy`) or, on CPU, by the compiled loops, with the same decisions.
+    (:class:`~kvsieve.policies.families.ScorePolicy`) or, on CPU, by the compiled loops, with the same decisions.
     """
 
     name = "tova"

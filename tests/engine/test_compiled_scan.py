@@ -150,7 +150,7 @@ def test_only_policies_with_such_a_rule_state_it() -> None:
     assert set(rules.values()) == {None}
     assert H2O(16, H2O.make_params(normalize=True)).scan_rule() is None
     assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, kept=Pattern(keep=0, recent=3))
-    assert AhaKV(16, AhaKV.make_params(sgs=False)).scan_rule().logit_scale is None
+    assert AhaKV(16, AhaKV.make_params(sgs=False)).scan_rule().gain == 0
 
 
 def _slots(gen: torch.Generator, n: int, padding: int) -> Slots:

@@ -14,11 +14,11 @@ from kvsieve.engine import compiled
 from kvsieve.engine import eviction as eviction_module
 from kvsieve.engine import layer as layer_module
 from kvsieve.engine import step as step_module
+from kvsieve.engine.rules import ScoreRule
 from kvsieve.engine.scan import MAX_RUN, scan
 from kvsieve.engine.storage import expand_index
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import REGISTRY, Slots, get_policy
-from kvsieve.policies import ahakv as ahakv_module
 from kvsieve.policies.base import SinkWindow
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -152,13 +152,13 @@ def test_ahakv_step_gain_is_computed_once_per_decode_step(llama_gqa, stream, mak
     decode step (equal budgets: equal rules) share one, with the logits and kept positions of each layer computing
     its own."""
     calls = []
-    gain = ahakv_module.seen_gain
+    scale = ScoreRule.logit_scale
 
-    def counted(query_pos: torch.Tensor, budget: int) -> torch.Tensor:
-        calls.append(budget)
-        return gain(query_pos, budget)
+    def counted(rule: ScoreRule, query_pos: torch.Tensor) -> torch.Tensor:
+        calls.append(rule.gain)
+        return scale(rule, query_pos)
 
-    monkeypatch.setattr(ahakv_module, "seen_gain", counted)
+    monkeypatch.setattr(ScoreRule, "logit_scale", counted)
     steps, runs = 6, []
     for shared in (True, False):
         calls.clear()

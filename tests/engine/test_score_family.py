@@ -1,6 +1,6 @@
 """The accumulated-score family, once for all its policies: the compiled loops' reading of a
 :class:`~kvsieve.engine.rules.Pattern` and of a :class:`~kvsieve.engine.rules.ScoreRule`'s decode step is the
-family's torch statement (:meth:`Pattern.kept`, :class:`~kvsieve.policies.scores.ScorePolicy`), for rules drawn over
+family's torch statement (:meth:`Pattern.kept`, :class:`~kvsieve.policies.families.ScorePolicy`), for rules drawn over
 every field, whatever policy states them."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from kvsieve.engine import compiled
 from kvsieve.engine.rules import Pattern, ScoreRule
 from kvsieve.policies import REGISTRY
-from kvsieve.policies.ahakv import SeenGain
 from kvsieve.policies.base import Observation, Slots, group_sum
-from kvsieve.policies.scores import ScorePolicy
+from kvsieve.policies.families import ScorePolicy
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="the compiled loops need numba (the fast extra)")
 
@@ -27,6 +26,7 @@ patterns = st.builds(
     period=st.integers(1, 5),
     offset=st.integers(0, 4),
     span=st.integers(0, 3),
+    sinks=st.integers(0, 4),
 )
 
 
@@ -56,11 +56,11 @@ def test_the_loops_keep_what_a_pattern_keeps_in_torch(pattern, last, held, seed)
             assert torch.equal(kept[b, h], expected), (b, h, pos[b, h])
 
 
-@pytest.mark.parametrize("name", ["local", "strided", "fixed"])
-@pytest.mark.parametrize("budget", [1, 4, 7, 12])
-def test_a_positional_policys_pattern_keeps_its_top_budget(name, budget) -> None:
-    """What a positional policy states as its :class:`Pattern` (the ``h2o+`` policies' kept part) is its priorities'
-    top ``budget`` of the real tokens held."""
+@pytest.mark.parametrize("name", ["local", "streaming_llm", "strided", "fixed"])
+@pytest.mark.parametrize("budget", [5, 7, 12])
+def test_a_pattern_policy_keeps_its_top_budget(name, budget) -> None:
+    """What a positional policy keeps (its priorities' top ``budget`` of the real tokens held) is what its
+    :class:`Pattern` keeps, the part an ``h2o+`` policy keeps whatever the scores."""
     policy = REGISTRY[name](budget)
     for seed, last in enumerate((0, 2, budget, 3 * budget + 1, 50)):
         pos = _positions(last, min(last + 1, 2 * budget), seed)
@@ -68,7 +68,7 @@ def test_a_positional_policys_pattern_keeps_its_top_budget(name, budget) -> None
         priority = policy.priority(pos, lasts).masked_fill(pos < 0, torch.iinfo(torch.long).min)
         top = priority.topk(min(budget, pos.shape[-1]), dim=-1).indices
         expected = torch.zeros_like(pos, dtype=torch.bool).scatter_(-1, top, True) & (pos >= 0)
-        assert torch.equal(policy.scan_pattern().kept(pos, lasts), expected)
+        assert torch.equal(policy.kept.kept(pos, lasts), expected)
 
 
 class _Family(ScorePolicy):
@@ -90,7 +90,7 @@ rules = st.builds(
     kept=patterns,
     across_heads=st.booleans(),
     pool=st.sampled_from([0, 1, 3, 7]),
-    logit_scale=st.sampled_from([None, SeenGain(8), SeenGain(200)]),
+    gain=st.sampled_from([0, 8, 200]),
 )
 
 

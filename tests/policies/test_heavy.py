@@ -131,7 +131,7 @@ def test_padding_never_takes_the_patterns_share() -> None:
 
 def test_a_row_with_fewer_tokens_than_the_share_protects_only_real_ones() -> None:
     policy = REGISTRY["h2o+strided"](8, REGISTRY["h2o+strided"].make_params(recent=4))
-    pos = torch.tensor([[[-1, -1, -1, 0, 1]]])  # (recent_mask marks the padding too here)
+    pos = torch.tensor([[[-1, -1, -1, 0, 1]]])
     slots = Slots(pos=pos, state={"score": torch.zeros(1, 1, 5)}, last=torch.tensor([1]), keys=None, values=None)
     assert policy.keep_scores(slots).isinf().tolist() == [[[False, False, False, True, True]]]
 
@@ -221,7 +221,7 @@ def test_tiny_budgets_leave_the_pattern_at_least_one_token() -> None:
         for budget in (1, 2, 3, 7):
             for ratio in (0.5, 0.99):
                 policy = cls(budget, cls.make_params(heavy_ratio=ratio))
-                assert policy.heavy == int(budget * ratio) and policy.share == policy.pattern.budget >= 1
+                assert policy.heavy == int(budget * ratio) and policy.share == policy.base_policy.budget >= 1
 
 
 def test_params_are_the_base_policys_plus_heavy_ratio() -> None:
@@ -234,7 +234,7 @@ def test_params_are_the_base_policys_plus_heavy_ratio() -> None:
         with pytest.raises(ValueError, match=rf"^invalid value 'abc' for {re.escape(name)} parameter"):
             cls.make_params(heavy_ratio="abc")
     policy = REGISTRY["h2o+strided"](12, REGISTRY["h2o+strided"].make_params(heavy_ratio=0.3))
-    assert (policy.heavy, policy.share, policy.pattern.budget, policy.pattern.recent) == (3, 9, 9, 4)
+    assert (policy.heavy, policy.share, policy.base_policy.budget, policy.base_policy.recent) == (3, 9, 9, 4)
 
 
 # -- the policy list ------------------------------------------------------------------------------------------------

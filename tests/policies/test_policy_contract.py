@@ -6,17 +6,18 @@ import pytest
 import torch
 
 import kvsieve
+from kvsieve.engine.rules import Pattern
 from kvsieve.policies import REGISTRY, Observation, Policy, Slots
-from kvsieve.policies.base import PositionalPolicy, SinkWindow, protect, recent_mask, register
+from kvsieve.policies.base import PatternPolicy, SinkWindow, register
 
 
-class Every2nd(PositionalPolicy):
+class Every2nd(PatternPolicy):
     """Keeps the even positions, newest first, and the newest token (the example of docs/architecture.md)."""
 
     name = "every2nd"
 
-    def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        return protect(torch.where(pos % 2 == 0, pos, pos - last[:, None, None] - 1), recent_mask(pos, last, 1))
+    def pattern(self) -> Pattern:
+        return Pattern(keep=self.budget, recent=1, period=2, span=1)
 
 
 def test_a_new_positional_policy_is_one_small_class(llama_gqa, stream, make_ids) -> None:

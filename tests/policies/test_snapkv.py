@@ -6,7 +6,7 @@ import pytest
 import torch
 from policy_runs import Kept, capture, run_kept
 
-from kvsieve.policies.scores import pooled_priority
+from kvsieve.policies.families import pooled_priority
 from kvsieve.policies.snapkv import SnapKV
 
 
