@@ -14,6 +14,7 @@ from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScoreRule
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV
 from kvsieve.policies.base import Slots, demote
+from kvsieve.policies.families import MarksPolicy, PriorityPolicy
 from kvsieve.policies.h2o import H2O
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
@@ -93,6 +94,42 @@ def test_the_compiled_loop_streams_as_the_torch_scan(
     assert torch.equal(fast_logits, slow_logits)
     if model_name != "gemma3":  # (its sliding layers are not scanned: the window)
         assert len(runs) >= model.config.num_hidden_layers * 2
+
+
+class _HighKeys(PriorityPolicy):
+    """A new member of the fixed-priority family (not registered): its rule and a priority per token, nothing else."""
+
+    name = "high_keys"
+
+    def priority_rule(self) -> FixedPriority:
+        return FixedPriority(recent=2, drop=3)
+
+    def initial_priority(self, keys: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return torch.sub(pos, (keys.float().amax(dim=-1) * 64).round().long(), alpha=-(2**32))  # (ties: newest)
+
+
+class _ByStepMarks(MarksPolicy):
+    """A new member of the low-marks family (not registered): its rule, nothing else."""
+
+    name = "by_step_marks"
+
+    def marks_rule(self) -> LowMarks:
+        return LowMarks(window=6, recent=1, drop=2, by_step=True)
+
+
+@pytest.mark.parametrize("policy", [_HighKeys, _ByStepMarks])
+def test_a_new_member_of_a_family_is_run_by_the_loops_as_by_its_torch_statement(
+    llama_gqa, make_ids, monkeypatch, policy
+) -> None:
+    """A policy that states only a family's rule streams with the compiled loop, the same logits and kept tokens as
+    the family's torch code, and decodes alike."""
+    (fast_logits, fast_kept), (slow_logits, slow_kept), runs = _both(
+        llama_gqa, make_ids(2, 120), policy, 12, monkeypatch
+    )
+    assert len(runs) >= 3 * 2
+    assert all(map(torch.equal, fast_kept, slow_kept))
+    assert torch.equal(fast_logits, slow_logits)
+    _generates_alike(llama_gqa, make_ids, monkeypatch, policy, padded=True)
 
 
 @pytest.mark.parametrize(
@@ -224,7 +261,7 @@ RULE_POLICIES = [
 ]
 
 
-def _generates_alike(model, make_ids, monkeypatch, policy: str, padded: bool) -> None:
+def _generates_alike(model, make_ids, monkeypatch, policy: str | type, padded: bool) -> None:
     """A prompt (its second row left-padded, if ``padded``), then 29 decode steps: the same tokens and the same held
     positions with the compiled loops and without them."""
     ids = make_ids(2, 8 if padded else 40)
