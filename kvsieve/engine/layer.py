@@ -368,6 +368,13 @@ class SieveLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx} holds nothing yet")
         return self.store.held_positions()
 
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """The policy's per-slot state of the held tokens (``state_spec``'s names), ``[B, H, tokens held, ...]`` each,
+        in slot order (the order of :meth:`held_positions`)."""
+        if self.store is None:
+            raise ValueError(f"layer {self.layer_idx} holds nothing yet")
+        return self.store.held_state()
+
     def kv_nbytes(self) -> int:
         """Bytes allocated for keys and values."""
         return 0 if self.store is None else self.store.kv_nbytes()

@@ -261,11 +261,19 @@ class SlotStore:
 
     def held_positions(self) -> torch.Tensor:
         """``[B, H, tokens held]`` positions of the held tokens, in slot order (-1 = padding)."""
-        pos = self.positions[:, :, : self.used]
+        return self._held(self.positions)
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """The policy's per-slot state of the held tokens, ``[B, H, tokens held, ...]`` each, in slot order."""
+        return {name: self._held(t) for name, t in self.state.items()}
+
+    def _held(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of the slots in use of ``t`` (``[B, H, slots, ...]``), the stale slot left out."""
+        used = t[:, :, : self.used]
         if self.stale is None:
-            return pos.clone()
-        held = torch.ones_like(pos, dtype=torch.bool).scatter_(2, self.stale, False)
-        return pos[held].view(*pos.shape[:2], self.used - 1)
+            return used.clone()
+        held = torch.ones(used.shape[:3], dtype=torch.bool, device=t.device).scatter_(2, self.stale, False)
+        return used[held].view(*used.shape[:2], self.used - 1, *used.shape[3:])
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch operation (reorder, repeat, select rows) to every buffer."""

@@ -29,7 +29,7 @@ def _run(model: torch.nn.Module, spec: str, ids: torch.Tensor, mask: torch.Tenso
         logits.append(model(token, attention_mask=mask, cache=cache, use_cache=True).logits)
         token = logits[-1][:, -1:].argmax(-1)
     kept = [cache.positions(i).sort(dim=-1).values for i in range(len(cache.layers))]
-    states = [{k: t[:, :, : layer.store.used] for k, t in layer.store.state.items()} for layer in cache.layers]
+    states = [layer.held_state() for layer in cache.layers]
     return kept, states, torch.cat([t[:, -1] for t in logits])
 
 

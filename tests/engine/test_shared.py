@@ -34,10 +34,7 @@ def _caches(model):
 
 def _held(cache) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """Each layer's held positions and policy state (the slots in use)."""
-    return [
-        (layer.held_positions(), {k: v[:, :, : layer.store.used] for k, v in layer.store.state.items()})
-        for layer in cache.layers
-    ]
+    return [(layer.held_positions(), layer.held_state()) for layer in cache.layers]
 
 
 @pytest.mark.parametrize("model_name", ["llama_gqa", "gemma3"])

@@ -133,11 +133,11 @@ def test_ahakv_sgs_scores_of_a_short_prompt_are_uniform(llama_gqa) -> None:
         llama_gqa(torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(3)), cache=cache)
     expected = torch.tensor([sum(group / i for i in range(j + 1, length + 1)) for j in range(length)])
     for layer in cache.layers:
-        torch.testing.assert_close(layer.store.state["score"][0, :, :length], expected.expand(2, -1))
+        torch.testing.assert_close(layer.held_state()["score"][0], expected.expand(2, -1))
     plain = kvsieve.make_cache(llama_gqa, "ahakv", 16, recent=4, ra=False, vpe=False, sgs=False)
     with torch.inference_mode():
         llama_gqa(torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(3)), cache=plain)
-    assert not torch.allclose(plain.layers[0].store.state["score"][0, :, :length], expected.expand(2, -1))
+    assert not torch.allclose(plain.layers[0].held_state()["score"][0], expected.expand(2, -1))
 
 
 def test_value_prior_pools_squared_norms_in_position_order() -> None:
