@@ -83,6 +83,10 @@ def answers(api: Any, name: str, tokens: int) -> dict[str, Any]:
 
 def start_server(argv: list[str], log: Path, timeout: float) -> subprocess.Popen[str]:
     """``kvsieve serve`` with ``argv``, once it says it serves (its stderr goes on into ``log``)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # (a background job ignores SIGINT, and a child would inherit that; a handled signal is reset at exec, so
+        # the server takes the Ctrl-C this script sends it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvsieve.cli", "serve", *argv], stderr=subprocess.PIPE, text=True, bufsize=1
     )
@@ -356,5 +360,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
