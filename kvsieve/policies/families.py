@@ -101,40 +101,49 @@ class ScorePolicy(Policy):
         return self.score_rule()
 
 
-class MarksPolicy(Policy):
+class _BulkPolicy(Policy):
+    """What the marks and priority families share: their rule (``scan_rule``, held as ``rule``) protects the
+    ``recent`` newest positions, and a decode step that leaves one over the limit drops ``drop`` tokens at once
+    (:func:`~kvsieve.engine.rules.drop_in_bulk`)."""
+
+    rule: LowMarks | FixedPriority
+
+    def __init__(self, budget: int | None, params: Any = None) -> None:
+        super().__init__(budget, params)
+        self.newest = Pattern.window(self.rule.recent)
+
+    def n_keep(self, n: int, limit: int | None = None) -> int:
+        return drop_in_bulk(n, self.budget if limit is None else limit, self.rule.drop)
+
+
+class MarksPolicy(_BulkPolicy):
     """A policy of the low-attention-marks family: its :meth:`marks_rule`, run in torch.
 
     :meth:`observe` lets each of a step's last ``window`` rows rewrite its column of the ``low`` ring (the row's
     position mod ``window``) for every slot: True where the slot's group-summed probability is below ``G / t``
     (``t``: the slots the row attended, or its position + 1 with ``by_step``), False elsewhere; a padding row
-    writes nothing. :meth:`n_keep` drops ``drop`` at a decode step that leaves one over the limit
-    (:func:`~kvsieve.engine.rules.drop_in_bulk`). :meth:`keep_scores` ranks the most-marked lowest, then the oldest,
-    the ``recent`` newest protected."""
+    writes nothing. :meth:`n_keep` drops ``drop`` at a decode step that leaves one over the limit.
+    :meth:`keep_scores` ranks the most-marked lowest, then the oldest, the ``recent`` newest protected."""
 
     row_additive = True
-
-    def __init__(self, budget: int | None, params: Any = None) -> None:
-        super().__init__(budget, params)
-        self.marks = self.marks_rule()
-        """:meth:`marks_rule`, stated once (the parameters never change)."""
-        self.newest = Pattern.window(self.marks.recent)
+    rule: LowMarks
 
     def marks_rule(self) -> LowMarks:
         """The policy's rule (called once, after ``setup``)."""
         raise NotImplementedError
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"low": ((self.marks.window,), torch.bool)}
+        return {"low": ((self.rule.window,), torch.bool)}
 
     def observed_rows(self) -> int:
-        return self.marks.window  # (the last w rows rewrite every column of the ring)
+        return self.rule.window  # (the last w rows rewrite every column of the ring)
 
     def observe(self, slots: Slots, obs: Observation) -> None:
-        w = self.marks.window
+        w = self.rule.window
         # Only the block's last w rows can still be in the window; their positions are distinct mod w.
         probs, allowed, query_pos = obs.probs[:, :, -w:], obs.allowed[:, :, -w:], obs.query_pos[:, -w:]
         # t: the slots each row attended or, by_step, the tokens it has seen (its own included)
-        t = (query_pos + 1).clamp(min=1)[:, None, :, None] if self.marks.by_step else allowed.sum(-1, keepdim=True)
+        t = (query_pos + 1).clamp(min=1)[:, None, :, None] if self.rule.by_step else allowed.sum(-1, keepdim=True)
         low = allowed & (probs < obs.logits.shape[2] / t)  # [B, H, b, N]
         ring = slots.state["low"]
         if low.shape[2] == 1:  # one row (a decode step): it rewrites its own column, a padding row nothing
@@ -146,9 +155,6 @@ class MarksPolicy(Policy):
         marks = torch.einsum("bhrn,brc->bhnc", low.float(), column.float()) > 0
         ring.copy_(torch.where(column.any(dim=1)[:, None, None, :], marks, ring))
 
-    def n_keep(self, n: int, limit: int | None = None) -> int:
-        return drop_in_bulk(n, self.budget if limit is None else limit, self.marks.drop)
-
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         count = slots.state["low"].sum(dim=-1)
         score = (slots.pos - count * (slots.last[:, None, None] + 1)).double()  # fewest marks first, then newest
@@ -158,19 +164,14 @@ class MarksPolicy(Policy):
         return self.marks_rule()
 
 
-class PriorityPolicy(Policy):
+class PriorityPolicy(_BulkPolicy):
     """A policy of the fixed-priority family: its :meth:`priority_rule`, run in torch, and its
     :meth:`initial_priority`, computed once per token as it is cached (no observation).
 
-    :meth:`n_keep` drops ``drop`` at a decode step that leaves one over the limit
-    (:func:`~kvsieve.engine.rules.drop_in_bulk`); :meth:`keep_scores` is the ``priority`` state, the ``recent``
-    newest protected."""
+    :meth:`n_keep` drops ``drop`` at a decode step that leaves one over the limit; :meth:`keep_scores` is the
+    ``priority`` state, the ``recent`` newest protected."""
 
-    def __init__(self, budget: int | None, params: Any = None) -> None:
-        super().__init__(budget, params)
-        self.priorities = self.priority_rule()
-        """:meth:`priority_rule`, stated once (the parameters never change)."""
-        self.newest = Pattern.window(self.priorities.recent)
+    rule: FixedPriority
 
     def priority_rule(self) -> FixedPriority:
         """The policy's rule (called once, after ``setup``)."""
@@ -187,12 +188,9 @@ class PriorityPolicy(Policy):
     def initial_state(self, keys: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"priority": self.initial_priority(keys, pos)}
 
-    def n_keep(self, n: int, limit: int | None = None) -> int:
-        return drop_in_bulk(n, self.budget if limit is None else limit, self.priorities.drop)
-
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         priority = slots.state["priority"]
-        if self.priorities.recent:
+        if self.rule.recent:
             priority = protect(priority, self.newest.kept(slots.pos, slots.last))
         return priority
 

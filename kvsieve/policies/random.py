@@ -70,10 +70,10 @@ class Random(PositionalPolicy):
         self.base: torch.Tensor | None = None
         if not 0 <= self.params.recent <= self.budget:
             raise ValueError(f"random: recent must be in [0, budget={self.budget}], got {self.params.recent}")
-        self.recent = Pattern.window(self.params.recent)
+        self.newest = Pattern.window(self.params.recent)
 
     def priority(self, pos: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         heads, device = pos.shape[1], pos.device
         if self.base is None or self.base.shape[1] != heads or self.base.device != device:
             self.base = head_hashes(self.params.seed, heads, device)  # computed once per layer layout
-        return protect(uniform_draws(self.base, last, pos), self.recent.kept(pos, last))
+        return protect(uniform_draws(self.base, last, pos), self.newest.kept(pos, last))
