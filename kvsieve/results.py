@@ -205,7 +205,8 @@ def _serve_ray(result: dict[str, Any]) -> str:
     if "fault" in summary:
         f = summary["fault"]
         rows += [
-            ["a replica killed (SIGKILL) mid-run", f"{f['plain_answered']} of {f['plain']} unstreamed requests "
+            [f"a replica killed (SIGKILL) holding {f['victim_held']} requests, {f['victim_streams']} streamed",
+             f"{f['plain_answered']} of {f['plain']} unstreamed requests "
              f"answered in full ({f['plain_retried']} retried on the other replica); of {f['streams']} streams "
              f"{f['streams_complete']} complete, {f['streams_ended_by_error']} ended by the error event; {f['hung']} "
              f"hung, the slowest ended after {f['slowest_seconds']:.0f} s"],

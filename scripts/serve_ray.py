@@ -13,10 +13,11 @@ It starts ``kvsieve serve --ray --replicas N`` (a new local Ray, or ``--ray ADDR
    node, from the response headers) and seconds, the throughput;
 3. ``metrics``: each replica's ``/metrics`` (reached through the proxy until every replica answered): the most KV
    bytes it held against ``--kv-memory-gb``;
-4. ``fault`` (not with ``--no-fault``): ``--streams`` streams and ``--plain`` unstreamed completions of ``--long``
-   tokens in flight on the replicas; the replica serving the first stream that has three chunks is killed (SIGKILL).
-   Unstreamed requests are sent by a client that retries twice (the ``openai`` default), so those of the dead
-   replica go to another one; then the seconds from the kill until Serve's replacement replica answers ``/metrics``;
+4. ``fault`` (not with ``--no-fault``): ``--streams`` streams of ``--long`` tokens, then, once each has its first
+   chunk, ``--plain`` unstreamed completions of as many; the first replica whose ``/metrics`` shows more requests
+   running or waiting than its running streams (so an unstreamed one too) is killed (SIGKILL). Unstreamed requests
+   are sent by a client that retries twice (the ``openai`` default), so those of the dead replica go to another one;
+   then the seconds from the kill until Serve's replacement replica answers ``/metrics``;
 5. ``exit``: Ctrl-C (SIGINT) to the server: its exit code and seconds.
 
 The report (printed; ``--out FILE``: JSON with the provenance) keeps what each request got and these checks (exit
@@ -111,23 +112,28 @@ def start_server(argv: list[str], log: Path, timeout: float) -> subprocess.Popen
     return proc
 
 
+def replica_metrics(base: str) -> tuple[str, dict[str, float]] | None:
+    """One ``GET /metrics`` through the proxy: the answering replica's PID and its unlabelled ``kvsieve_*`` values
+    (None if the proxy did not answer 200)."""
+    import httpx
+
+    with contextlib.suppress(httpx.HTTPError):
+        response = httpx.get(f"{base}/metrics", timeout=10)
+        if response.status_code == 200:
+            found = re.findall(r"^(kvsieve_\w+) (\S+)$", response.text, flags=re.MULTILINE)
+            return response.headers[PID], {metric: float(value) for metric, value in found}
+    return None
+
+
 def metrics(
     base: str, want: int, seen: dict[str, dict[str, float]], timeout: float, avoid: set[str] = frozenset()
 ) -> None:
     """GET /metrics until ``want`` replicas (PIDs not in ``avoid``) answered, into ``seen`` (PID → metric → value)."""
-    import httpx
-
     deadline = time.monotonic() + timeout
     while len(set(seen) - avoid) < want and time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            response = httpx.get(f"{base}/metrics", timeout=10)
-            if response.status_code == 200:
-                values = {}
-                for line in response.text.splitlines():
-                    if re.match(r"kvsieve_kv_bytes_(held_max|cap) ", line):
-                        metric, value = line.split()
-                        values[metric] = float(value)
-                seen[response.headers[PID]] = values
+        if answer := replica_metrics(base):
+            pid, values = answer
+            seen[pid] = {k: v for k, v in values.items() if k in ("kvsieve_kv_bytes_held_max", "kvsieve_kv_bytes_cap")}
         time.sleep(0.2)
 
 
@@ -151,53 +157,67 @@ def concurrently(calls: list[Any], timeout: float) -> list[Any]:
     return [{"hung": True} if thread.is_alive() else result for thread, result in zip(threads, results, strict=True)]
 
 
-def fault(api: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Streams and unstreamed requests in flight on the replicas; the replica of the first stream that has three
-    chunks is killed (SIGKILL). What each request got, and when the kill came (``time.monotonic``)."""
-    victim: list[int] = []
-    streaming = threading.Event()
+def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Streams, then (once each has its first chunk) unstreamed requests, in flight on the replicas; the first replica
+    seen (``/metrics``) holding more requests than the streams that began on it, so an unstreamed one too, is killed
+    (SIGKILL) while a stream of it runs. What each request got, and the kill (``killed_at``: ``time.monotonic``)."""
     greedy = {"model": name, "max_tokens": args.long, "temperature": 0}
+    began: dict[int, str] = {}  # stream index → its replica's PID, from its first chunk
+    running: set[int] = set()  # the streams that began and have not ended
+    ready, sent = threading.Semaphore(0), threading.Event()
 
-    def plain(prompt: str) -> dict[str, Any]:
-        start = time.monotonic()
-        raw = api.completions.with_raw_response.create(prompt=prompt, **greedy)
-        text = raw.parse().choices[0].text
-        return {"text": text, "pid": raw.headers.get(PID), "retries": raw.retries_taken, "seconds": _since(start)}
-
-    def streamed(prompt: str) -> dict[str, Any]:
+    def streamed(index: int, prompt: str) -> dict[str, Any]:
         start, pieces, pid, error = time.monotonic(), [], None, None
         try:
             raw = api.completions.with_raw_response.create(prompt=prompt, stream=True, **greedy)
             pid = raw.headers.get(PID)
             for chunk in raw.parse():
                 pieces.append(chunk.choices[0].text if chunk.choices else "")
-                if len(pieces) >= 3 and not streaming.is_set():
-                    victim.append(int(pid))
-                    streaming.set()
+                if len(pieces) == 1:
+                    began[index] = pid
+                    running.add(index)
+                    ready.release()
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
+        finally:
+            running.discard(index)
+            if index not in began:
+                ready.release()  # (it ended before a chunk: nothing to wait for)
         return {"text": "".join(pieces), "pid": pid, "error": error, "seconds": _since(start)}
 
-    killed: list[float] = []
+    def plain(prompt: str) -> dict[str, Any]:
+        sent.wait()
+        start = time.monotonic()
+        raw = api.completions.with_raw_response.create(prompt=prompt, **greedy)
+        text = raw.parse().choices[0].text
+        return {"text": text, "pid": raw.headers.get(PID), "retries": raw.retries_taken, "seconds": _since(start)}
+
+    kill: dict[str, Any] = {"victim": None, "killed_at": None}
 
     def killer() -> None:
-        if streaming.wait(args.timeout):
-            os.kill(victim[0], signal.SIGKILL)
-            killed.append(time.monotonic())
+        deadline = time.monotonic() + args.timeout
+        for _ in range(args.streams):
+            ready.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        sent.set()
+        while running and time.monotonic() < deadline:
+            if answer := replica_metrics(base):
+                pid, values = answer
+                streams = sum(p == pid for p in list(began.values()))  # (one that ended may be counted still)
+                held = values.get("kvsieve_running_requests", 0) + values.get("kvsieve_queue_depth", 0)
+                if held > streams and any(began[i] == pid for i in list(running)):
+                    os.kill(int(pid), signal.SIGKILL)
+                    kill.update(victim=pid, killed_at=time.monotonic(), victim_held=int(held), victim_streams=streams)
+                    return
+            time.sleep(0.05)
 
-    kill = threading.Thread(target=killer, daemon=True)
-    kill.start()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.streams, args.plain))]
-    calls = [lambda p=p: streamed(p) for p in prompts[: args.streams]]
+    calls = [lambda i=i, p=p: streamed(i, p) for i, p in enumerate(prompts[: args.streams])]
     calls += [lambda p=p: plain(p) for p in prompts[: args.plain]]
+    killing = threading.Thread(target=killer, daemon=True)
+    killing.start()
     results = concurrently(calls, args.timeout * 2)  # (a retried request may take two timeouts)
-    kill.join(1)
-    return {
-        "victim": str(victim[0]) if victim else None,
-        "killed_at": killed[0] if killed else None,
-        "streams": results[: args.streams],
-        "plain": results[args.streams :],
-    }
+    killing.join(1)
+    return {**kill, "streams": results[: args.streams], "plain": results[args.streams :]}
 
 
 def _since(start: float) -> float:
@@ -239,7 +259,7 @@ def scenario(args: argparse.Namespace) -> dict[str, Any]:
         found["metrics"] = seen
         if args.fault:
             retrying = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=args.timeout)
-            found["fault"] = fault(retrying, name, args)
+            found["fault"] = fault(retrying, base, name, args)
             after: dict[str, dict[str, float]] = {}
             metrics(base, 1, after, args.timeout, avoid={found["fault"]["victim"], *seen})  # (Serve starts a new one)
             killed = found["fault"].pop("killed_at")
@@ -297,6 +317,8 @@ def summarize(found: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         complete = [r for r in streams if r.get("error") is None and "hung" not in r and r["pid"] != victim]
         everything = plain + streams
         summary["fault"] = {
+            "victim_held": found["fault"].get("victim_held"),
+            "victim_streams": found["fault"].get("victim_streams"),
             "plain": len(plain),
             "plain_answered": sum("text" in r for r in plain),
             "plain_retried": sum(bool(r.get("retries")) for r in plain),

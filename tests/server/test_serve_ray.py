@@ -4,8 +4,9 @@ scripts/serve_ray.py drives one ``kvsieve serve --ray --replicas 2`` on a local 
 namespace, as evaluation/test_ray.py runs Ray: tests/ray_support.py) with the official ``openai`` client: its greedy
 answers (completions and chat, streamed and not) must be the in-process server's, requests must spread over both
 replicas (each response names its replica's PID in ``X-Kvsieve-Replica-Pid``), each replica's ``/metrics`` must show
-its KV held within the cap, and a replica killed mid-run (SIGKILL) must cost no unstreamed request (the ``openai``
-client retries the proxy's 500 on the other replica) while its streams end with an error event, nothing hanging.
+its KV held within the cap, and a replica killed (SIGKILL) while it runs a stream and holds an unstreamed request
+must cost no unstreamed request (the ``openai`` client retries the proxy's 500 on the other replica) while its streams
+end with an error event, nothing hanging.
 The script's report must say so too. Everything started is killed at the end, also on failure.
 """
 
@@ -138,6 +139,9 @@ def test_a_killed_replica_costs_no_unstreamed_request_and_ends_its_streams_with_
     fault, expected = local["fault"], in_process["long"] * 2
     victim = fault["victim"]
     assert victim is not None and victim in local["metrics"]
+    # killed while it ran a stream and held an unstreamed request too (its /metrics said so)
+    summary = report["summary"]["fault"]
+    assert summary["victim_held"] > summary["victim_streams"] >= 1, summary
     # unstreamed: every one answered in full, those of the dead replica by the other (the openai client retried)
     retried = [r for r in fault["plain"] if r.get("retries")]
     assert [r.get("text") for r in fault["plain"]] == expected, fault["plain"]
@@ -156,7 +160,6 @@ def test_a_killed_replica_costs_no_unstreamed_request_and_ends_its_streams_with_
     assert 0 < local["replaced"]["seconds_after_kill"] < TIMEOUT_S
     assert local["exit"]["code"] == 0
     # the report counts the same
-    summary = report["summary"]["fault"]
     assert summary["plain_answered"] == 8 and summary["plain_retried"] == len(retried) and summary["hung"] == 0
     ended = sum(r["pid"] == victim for r in fault["streams"])
     assert (summary["streams_ended_by_error"], summary["streams_complete"]) == (ended, 4 - ended)
