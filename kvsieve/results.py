@@ -10,7 +10,8 @@ A page (README.md, docs/*.md) holds blocks::
 bench --json`` (with or without a preset) printed, or ``scripts/ruler_cost.py --out`` or ``scripts/serve_soak.py --out``
 wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
-summary tables, :func:`kvsieve.ruler.report.summary`). ``python -m kvsieve.results [PAGE ...]`` renders every block
+summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
+:func:`kvsieve.ruler.report.overview`). ``python -m kvsieve.results [PAGE ...]`` renders every block
 of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
 the pages, where a page and its data disagree (the test suite runs the same check).
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 __all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
 
-_BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
+_BLOCK = re.compile(r"(<!-- results: (\S+)( overview)? -->\n)(.*?)(<!-- /results -->)", re.S)
 MIB = 1 << 20
 
 
@@ -260,20 +261,25 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
     raise ValueError(f"no renderer for the result of `{' '.join(result['provenance']['command'][:2])}`")
 
 
-def render_file(path: Path) -> str:
-    """The markdown of the result at ``path``: a ``--json`` result file, or a ``kvsieve ruler`` output directory."""
+def render_file(path: Path, overview: bool = False) -> str:
+    """The markdown of the result at ``path``: a ``--json`` result file, or a ``kvsieve ruler`` output directory
+    (its summary tables; ``overview``: its one table per length)."""
     if path.is_dir():
-        from kvsieve.ruler.report import collect, summary
+        from kvsieve.ruler import report
 
+        rows = report.collect(path)
         meta = path / "meta.json"
-        return summary(collect(path), level=4) + (_ruler_origin(json.loads(meta.read_text())) if meta.is_file() else "")
+        tables = report.overview(rows) if overview else report.summary(rows, level=4)
+        return tables + (_ruler_origin(json.loads(meta.read_text())) if meta.is_file() else "")
+    if overview:
+        raise ValueError(f"{path}: an overview is a kvsieve ruler directory's")
     result = json.loads(path.read_text())
     return _renderer(result)(result) + "\n" + _origin(result)
 
 
 def render(text: str, root: Path) -> str:
     """``text`` with every results block rendered from its data under ``root``."""
-    return _BLOCK.sub(lambda m: m[1] + render_file(root / m[2]) + m[4], text)
+    return _BLOCK.sub(lambda m: m[1] + render_file(root / m[2], overview=bool(m[3])) + m[5], text)
 
 
 def pages(root: Path) -> list[Path]:

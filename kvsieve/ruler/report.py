@@ -8,7 +8,8 @@ over tasks of each policy at each compression (its standard error: that of a mea
 the full cache's average as the ceiling, then per compression a task × policy table. Plots (``plots/``): the
 average score against the compression, one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``);
 a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``). A documentation page
-embeds a grid's summary tables in a results block (:mod:`kvsieve.results`) naming the grid's directory.
+embeds a grid's summary tables, or its :func:`overview`, in a results block (:mod:`kvsieve.results`) naming the
+grid's directory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from kvsieve.evaluation.plots import pyplot, save_figure
 from kvsieve.ruler.scoring import mean_and_stderr, plus_minus
 
-__all__ = ["collect", "markdown", "summary", "write_report"]
+__all__ = ["collect", "markdown", "overview", "summary", "write_report"]
 
 FIELDS = (
     "task",
@@ -147,6 +148,26 @@ def _mean_text(average: tuple[float, float | None] | None) -> str:
 def summary(rows: Sequence[dict[str, Any]], level: int = 2) -> str:
     """The average tables alone (what ``kvsieve ruler`` prints), under headings of ``level``."""
     return markdown(rows, title="", per_task=False, level=level)
+
+
+def overview(rows: Sequence[dict[str, Any]]) -> str:
+    """Per length, the full cache's average over the tasks (the ceiling), then one table: each policy's average
+    (± its standard error) at each compression under each protocol — the summary in a page's worth."""
+    lines = []
+    for length in sorted({r["length"] for r in rows}):
+        full = [r for r in rows if r["policy"] == "full" and r["length"] == length]
+        lines += [f"{length:,} tokens, average over {len(full)} task(s), score % ± standard error; the full cache "
+                  f"(the ceiling): **{_mean_text(_average(full) if full else None)}**.", ""]  # fmt: skip
+        sections = [s for s in _sections(rows) if s.length == length]
+        if not sections:
+            continue
+        columns = [(s, c) for s in sections for c in s.compressions]
+        header = [f"{s.protocol} {c:g}" if i == 0 else f"{c:g}" for s in sections for i, c in enumerate(s.compressions)]
+        lines += ["| policy | " + " | ".join(header) + " |", "|---|" + "---:|" * len(columns)]
+        for policy in dict.fromkeys(p for s, _ in columns for p in s.policies):
+            lines += [f"| {policy} | " + " | ".join(_mean_text(s.average(policy, c)) for s, c in columns) + " |"]
+        lines += [""]
+    return "\n".join(lines)
 
 
 def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: bool = True, level: int = 2) -> str:

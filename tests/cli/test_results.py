@@ -88,3 +88,9 @@ def test_a_result_of_another_command_is_refused(tmp_path) -> None:
     (tmp_path / "p.json").write_text(json.dumps({"provenance": {"command": ["kvsieve", "policies", "--json"]}}))
     with pytest.raises(ValueError, match="no renderer for the result of `kvsieve policies`"):
         render("<!-- results: p.json -->\n<!-- /results -->", tmp_path)
+
+
+def test_an_overview_of_a_result_file_is_refused(compare_result, tmp_path) -> None:
+    (tmp_path / "r.json").write_text(json.dumps(compare_result))
+    with pytest.raises(ValueError, match="an overview is a kvsieve ruler directory's"):
+        render("<!-- results: r.json overview -->\n<!-- /results -->", tmp_path)

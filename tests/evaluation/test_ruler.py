@@ -621,6 +621,31 @@ def test_a_full_only_grid_reports_its_ceiling(tmp_path) -> None:
     assert "| score % | 100 ± 0 | 50 ± 50 | 75.0 ± 25.0 |" in md
 
 
+def test_overview_puts_every_protocol_and_compression_of_a_length_in_one_table(tmp_path) -> None:
+    from kvsieve.results import render
+
+    (tmp_path / "cells").mkdir()
+    grid = [("full", "aware", 0.0, {"vt": [1, 1], "qa": [1, 0]})]
+    grid += [
+        ("h2o", "agnostic", 0.5, {"vt": [1, 0], "qa": [0, 0]}),
+        ("h2o", "aware", 0.5, {"vt": [1, 1], "qa": [1, 0]}),
+    ]
+    for policy, protocol, compression, by_task in grid:
+        for task, scores in by_task.items():
+            settings = {"task": task, "length": 512, "protocol": protocol, "policy": policy, "compression": compression}
+            predictions = {str(i): {"score": v, "first_token_s": 1.0, "total_s": 2.0} for i, v in enumerate(scores)}
+            name = f"{task}_{protocol}_{policy}_{compression}.json"
+            (tmp_path / "cells" / name).write_text(json.dumps({"settings": settings, "predictions": predictions}))
+    # by hand: full 100 ± 0 and 50 ± 50 → 75 ± 25; h2o agnostic 50 ± 50 and 0 ± 0 → 25 ± 25; aware as full
+    page = render("<!-- results: . overview -->\n<!-- /results -->", tmp_path)
+    assert (
+        "512 tokens, average over 2 task(s), score % ± standard error; the full cache (the ceiling): **75.0 ± 25.0**"
+        in page
+    )
+    assert "| policy | agnostic 0.5 | aware 0.5 |\n|---|---:|---:|\n| h2o | 25.0 ± 25.0 | 75.0 ± 25.0 |\n" in page
+    assert "###" not in page  # (the summary's headings are not there)
+
+
 @pytest.mark.slow
 def test_cli_quick_grid_then_report_only(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "ruler"
