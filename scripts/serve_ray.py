@@ -196,9 +196,11 @@ def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str,
 
     def killer() -> None:
         deadline = time.monotonic() + args.timeout
-        for _ in range(args.streams):
-            ready.acquire(timeout=max(0.0, deadline - time.monotonic()))
-        sent.set()
+        try:
+            for _ in range(args.streams):
+                ready.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            sent.set()  # (the unstreamed requests never wait for more than the streams)
         while running and time.monotonic() < deadline:
             if answer := replica_metrics(base):
                 pid, values = answer
