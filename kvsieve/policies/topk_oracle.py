@@ -17,8 +17,10 @@ class TopKOracle(Policy):
     the others are masked. No eviction policy can choose better per query, since it must decide before the query
     is known. The cache grows like ``full`` (``bounded = False``).
 
-    Choices: the budget is per query head (each query head of a GQA group picks its own keys); ties follow
-    ``torch.topk``. Needs the logits, so it runs the explicit (non-fused) attention.
+    Choices: the budget is per query head (each query head of a GQA group picks its own keys); ties as
+    ``torch.topk`` breaks them. Needs the logits, so it runs the explicit (non-fused) attention. Where the budget is
+    over half a row's keys, it finds the others instead (the row's lowest ``keys - budget``, disallowed keys first):
+    the same keys, and ``torch.topk`` of a few is faster than of most.
     """
 
     name = "topk_oracle"
@@ -30,5 +32,10 @@ class TopKOracle(Policy):
         allowed = allowed[:, :, None]
         if logits.shape[-1] <= self.budget:
             return allowed
-        top = logits.masked_fill(~allowed, float("-inf")).topk(self.budget, dim=-1).indices
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        rest = logits.shape[-1] - self.budget
+        if rest < self.budget:
+            low = logits.topk(rest, dim=-1, largest=False).indices
+            return torch.ones_like(logits, dtype=torch.bool).scatter_(-1, low, False) & allowed
+        top = logits.topk(self.budget, dim=-1).indices
         return torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, top, True) & allowed

@@ -29,8 +29,9 @@ def _topk_attention(k: int):
     return attention
 
 
-def test_topk_oracle_equals_masked_eager_attention_and_keeps_everything(llama_gqa, stream, make_ids) -> None:
-    k, prompt, steps = 5, make_ids(2, 16), 8
+@pytest.mark.parametrize("k", [5, 14])  # (14: over half the keys of every row but the first few; found as the rest)
+def test_topk_oracle_equals_masked_eager_attention_and_keeps_everything(llama_gqa, stream, make_ids, k) -> None:
+    prompt, steps = make_ids(2, 16), 8
     AttentionInterface.register("topk_ref", _topk_attention(k))
     AttentionMaskInterface.register("topk_ref", reference_mask)
     ref_model = copy.deepcopy(llama_gqa)  # (its own copy: the attention implementation changes)
