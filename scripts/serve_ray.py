@@ -15,9 +15,10 @@ It starts ``kvsieve serve --ray --replicas N`` (a new local Ray, or ``--ray ADDR
    bytes it held against ``--kv-memory-gb``;
 4. ``fault`` (not with ``--no-fault``): ``--streams`` streams of ``--long`` tokens, then, once each has its first
    chunk, ``--plain`` unstreamed completions of as many; the first replica whose ``/metrics`` shows more requests
-   running or waiting than its running streams (so an unstreamed one too) is killed (SIGKILL). Unstreamed requests
-   are sent by a client that retries twice (the ``openai`` default), so those of the dead replica go to another one;
-   then the seconds from the kill until Serve's replacement replica answers ``/metrics``;
+   running or waiting than the streams that began on it (so an unstreamed one too) is killed (SIGKILL) while a
+   stream of it runs. Unstreamed requests are sent by a client that retries twice (the ``openai`` default), so those
+   of the dead replica go to another one; then the seconds from the kill until Serve's replacement replica answers
+   ``/metrics``;
 5. ``exit``: Ctrl-C (SIGINT) to the server: its exit code and seconds.
 
 The report (printed; ``--out FILE``: JSON with the provenance) keeps what each request got and these checks (exit

@@ -153,12 +153,12 @@ def summary(rows: Sequence[dict[str, Any]], level: int = 2) -> str:
 def overview(rows: Sequence[dict[str, Any]]) -> str:
     """Per length, the full cache's average over the tasks (the ceiling), then one table: each policy's average
     (± its standard error) at each compression under each protocol — the summary in a page's worth."""
-    lines = []
+    lines, bounded = [], _sections(rows)
     for length in sorted({r["length"] for r in rows}):
         full = [r for r in rows if r["policy"] == "full" and r["length"] == length]
         lines += [f"{length:,} tokens, average over {len(full)} task(s), score % ± standard error; the full cache "
                   f"(the ceiling): **{_mean_text(_average(full) if full else None)}**.", ""]  # fmt: skip
-        sections = [s for s in _sections(rows) if s.length == length]
+        sections = [s for s in bounded if s.length == length]
         if not sections:
             continue
         columns = [(s, c) for s in sections for c in s.compressions]
