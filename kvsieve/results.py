@@ -11,7 +11,8 @@ bench --json`` (with or without a preset) printed, or ``scripts/ruler_cost.py --
 wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
-:func:`kvsieve.ruler.report.overview`). ``python -m kvsieve.results [PAGE ...]`` renders every block
+:func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
+:func:`kvsieve.ruler.claims.markdown`). ``python -m kvsieve.results [PAGE ...]`` renders every block
 of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
 the pages, where a page and its data disagree (the test suite runs the same check).
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 __all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
 
-_BLOCK = re.compile(r"(<!-- results: (\S+)( overview)? -->\n)(.*?)(<!-- /results -->)", re.S)
+_BLOCK = re.compile(r"(<!-- results: (\S+)(?: (overview|claims))? -->\n)(.*?)(<!-- /results -->)", re.S)
 MIB = 1 << 20
 
 
@@ -261,25 +262,30 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
     raise ValueError(f"no renderer for the result of `{' '.join(result['provenance']['command'][:2])}`")
 
 
-def render_file(path: Path, overview: bool = False) -> str:
+def render_file(path: Path, view: str | None = None) -> str:
     """The markdown of the result at ``path``: a ``--json`` result file, or a ``kvsieve ruler`` output directory
-    (its summary tables; ``overview``: its one table per length)."""
+    (its summary tables; ``view``: ``overview``, its one table per length, or ``claims``, the papers' claims)."""
     if path.is_dir():
-        from kvsieve.ruler import report
+        from kvsieve.ruler import claims, report
 
         rows = report.collect(path)
         meta = path / "meta.json"
-        tables = report.overview(rows) if overview else report.summary(rows, level=4)
+        views = {
+            None: lambda: report.summary(rows, level=4),
+            "overview": lambda: report.overview(rows),
+            "claims": lambda: claims.markdown(rows) + "\n",
+        }
+        tables = views[view]()
         return tables + (_ruler_origin(json.loads(meta.read_text())) if meta.is_file() else "")
-    if overview:
-        raise ValueError(f"{path}: an overview is a kvsieve ruler directory's")
+    if view:
+        raise ValueError(f"{path}: `{view}` is a view of a kvsieve ruler directory, not of a result file")
     result = json.loads(path.read_text())
     return _renderer(result)(result) + "\n" + _origin(result)
 
 
 def render(text: str, root: Path) -> str:
     """``text`` with every results block rendered from its data under ``root``."""
-    return _BLOCK.sub(lambda m: m[1] + render_file(root / m[2], overview=bool(m[3])) + m[5], text)
+    return _BLOCK.sub(lambda m: m[1] + render_file(root / m[2], view=m[3]) + m[5], text)
 
 
 def pages(root: Path) -> list[Path]:

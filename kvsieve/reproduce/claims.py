@@ -85,6 +85,24 @@ class Claim:
         return row | {"number": outcome.number, "holds": outcome.holds}
 
 
+def verdict(claim: dict[str, Any]) -> str:
+    return {True: "yes", False: "no", None: "not evaluated"}[claim["holds"]]
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def claims_table(claims: Sequence[dict[str, Any]]) -> str:
+    """The markdown table: claim (with section/table/figure) | our setting | our number | holds?"""
+    lines = ["| claim | our setting | our number | holds? |", "|---|---|---|---|"]
+    for c in claims:
+        number = c["number"] if c["holds"] is not None else f"— ({c['missing']})"
+        claim = f"**{c['source']}**: {c['statement']}"
+        lines.append(f"| {_cell(claim)} | {_cell(c['setting'])} | {_cell(number)} | {verdict(c)} |")
+    return "\n".join(lines) + "\n"
+
+
 # --- formatting -------------------------------------------------------------------------------------------------
 
 

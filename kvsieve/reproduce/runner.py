@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvsieve.engine.budget import Budget
 from kvsieve.evaluation.defaults import DEFAULT_MODEL
 from kvsieve.reproduce import PAPERS, default_out
-from kvsieve.reproduce.claims import Claim, Results, pct
+from kvsieve.reproduce.claims import Claim, Results, claims_table, pct
 from kvsieve.reproduce.experiments import PROTOCOL_NOTES, Context, Experiment, Part
 
 if TYPE_CHECKING:
@@ -134,24 +134,6 @@ def reproduce(
         "table": claims_table(claims),
         "files": files,
     }
-
-
-def verdict(claim: dict[str, Any]) -> str:
-    return {True: "yes", False: "no", None: "not evaluated"}[claim["holds"]]
-
-
-def _cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def claims_table(claims: Sequence[dict[str, Any]]) -> str:
-    """The markdown table: claim (with section/table/figure) | our setting | our number | holds?"""
-    lines = ["| claim | our setting | our number | holds? |", "|---|---|---|---|"]
-    for c in claims:
-        number = c["number"] if c["holds"] is not None else f"— ({c['missing']})"
-        claim = f"**{c['source']}**: {c['statement']}"
-        lines.append(f"| {_cell(claim)} | {_cell(c['setting'])} | {_cell(number)} | {verdict(c)} |")
-    return "\n".join(lines) + "\n"
 
 
 def _settings_line(settings: dict[str, Any]) -> str:

@@ -5,11 +5,12 @@ under every setting), the mean score and its standard error in percent
 (:func:`~kvsieve.ruler.scoring.mean_and_stderr`), and the mean seconds to the first answer token and per answer. The
 markdown holds per length the full cache's score per task (the ceiling), then per length and protocol the average
 over tasks of each policy at each compression (its standard error: that of a mean of the task means, √Σse²/T) with
-the full cache's average as the ceiling, then per compression a task × policy table. Plots (``plots/``): the
+the full cache's average as the ceiling, then per compression a task × policy table, then the papers' claims checked
+on the grid (:mod:`~kvsieve.ruler.claims`). Plots (``plots/``): the
 average score against the compression, one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``);
 a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``). A documentation page
-embeds a grid's summary tables, or its :func:`overview`, in a results block (:mod:`kvsieve.results`) naming the
-grid's directory.
+embeds a grid's summary tables, its :func:`overview` or its claims in a results block (:mod:`kvsieve.results`)
+naming the grid's directory.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.evaluation.plots import pyplot, save_figure
-from kvsieve.ruler.scoring import mean_and_stderr, plus_minus
+from kvsieve.ruler import claims
+from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, task_average
 
 __all__ = ["collect", "markdown", "overview", "summary", "write_report"]
 
@@ -76,14 +78,6 @@ def collect(out: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _average(rows: Sequence[dict[str, Any]]) -> tuple[float, float | None]:
-    """The mean of the rows' task scores and its standard error (None if a task has none: one sample)."""
-    mean = sum(r["score"] for r in rows) / len(rows)
-    if any(r["stderr"] is None for r in rows):
-        return mean, None
-    return mean, math.sqrt(sum(r["stderr"] ** 2 for r in rows)) / len(rows)
-
-
 def write_report(out: str | Path, title: str = "RULER") -> dict[str, Any]:
     """Write ``results.json``, ``results.csv``, ``results.md`` and the plots of ``out``; the rows and the paths."""
     out = Path(out)
@@ -119,7 +113,7 @@ class _Section:
     def average(self, policy: str, compression: float = 0.0) -> tuple[float, float] | None:
         """The average over the tasks and its standard error, or None unless every task has a row."""
         got = self.by_task(policy, compression)
-        return _average(list(got.values())) if len(got) == len(self.tasks) else None
+        return task_average(list(got.values())) if len(got) == len(self.tasks) else None
 
 
 def _sections(rows: Sequence[dict[str, Any]]) -> list[_Section]:
@@ -157,7 +151,7 @@ def overview(rows: Sequence[dict[str, Any]]) -> str:
     for length in sorted({r["length"] for r in rows}):
         full = [r for r in rows if r["policy"] == "full" and r["length"] == length]
         lines += [f"{length:,} tokens, average over {len(full)} task(s), score % ± standard error; the full cache "
-                  f"(the ceiling): **{_mean_text(_average(full) if full else None)}**.", ""]  # fmt: skip
+                  f"(the ceiling): **{_mean_text(task_average(full) if full else None)}**.", ""]  # fmt: skip
         sections = [s for s in bounded if s.length == length]
         if not sections:
             continue
@@ -177,7 +171,7 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
     lines = [f"{h[1:]} {title}", ""] if title else []
     for length in sorted({r["length"] for r in rows if r["policy"] == "full"}):
         full = sorted((r for r in rows if r["policy"] == "full" and r["length"] == length), key=lambda r: r["task"])
-        mean, se = _average(full)
+        mean, se = task_average(full)
         lines += [f"{h} {length} tokens, the full cache (the ceiling)", ""]
         lines += ["| " + " | ".join(["task", *(r["task"] for r in full), "average"]) + " |"]
         lines += ["|---|" + "---:|" * (len(full) + 1)]
@@ -205,6 +199,8 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
                 ]
                 lines += [f"| {policy} | " + " | ".join(cells) + " |"]
         lines += [""]
+    if per_task:
+        lines += [f"{h} The papers' claims", "", claims.markdown(rows)]
     return "\n".join(lines) + "\n"
 
 

@@ -8,9 +8,10 @@ score is the mean over its samples, in percent, reported with the standard error
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-__all__ = ["MATCH", "mean_and_stderr", "plus_minus", "score"]
+__all__ = ["MATCH", "mean_and_stderr", "plus_minus", "score", "task_average"]
 
 MATCH = {"qa": "part"}
 """Task → how its answers are matched (``all`` unless named here)."""
@@ -42,3 +43,12 @@ def mean_and_stderr(scores: Sequence[float]) -> tuple[float, float | None]:
 def plus_minus(mean: float, stderr: float | None, digits: int = 1) -> str:
     """``mean ± stderr`` to ``digits`` decimals; ``± –`` where there is no standard error (one sample)."""
     return f"{mean:.{digits}f} ± " + ("–" if stderr is None else f"{stderr:.{digits}f}")
+
+
+def task_average(rows: Sequence[Mapping[str, Any]]) -> tuple[float, float | None]:
+    """The mean of task scores (rows with ``score`` and ``stderr`` in percent) and its standard error, that of a mean
+    of independent means: √Σse² / T (None if a task has none: one sample)."""
+    mean = sum(r["score"] for r in rows) / len(rows)
+    if any(r["stderr"] is None for r in rows):
+        return mean, None
+    return mean, math.sqrt(sum(r["stderr"] ** 2 for r in rows)) / len(rows)

@@ -90,7 +90,8 @@ def test_a_result_of_another_command_is_refused(tmp_path) -> None:
         render("<!-- results: p.json -->\n<!-- /results -->", tmp_path)
 
 
-def test_an_overview_of_a_result_file_is_refused(compare_result, tmp_path) -> None:
+@pytest.mark.parametrize("view", ["overview", "claims"])
+def test_a_ruler_view_of_a_result_file_is_refused(compare_result, tmp_path, view: str) -> None:
     (tmp_path / "r.json").write_text(json.dumps(compare_result))
-    with pytest.raises(ValueError, match="an overview is a kvsieve ruler directory's"):
-        render("<!-- results: r.json overview -->\n<!-- /results -->", tmp_path)
+    with pytest.raises(ValueError, match=f"`{view}` is a view of a kvsieve ruler directory"):
+        render(f"<!-- results: r.json {view} -->\n<!-- /results -->", tmp_path)

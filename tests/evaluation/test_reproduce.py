@@ -14,9 +14,9 @@ import pytest
 from kvsieve.cli import main
 from kvsieve.reproduce import PAPERS, claims
 from kvsieve.reproduce.ahakv import ablation_specs
-from kvsieve.reproduce.claims import Claim, Missing, Results
+from kvsieve.reproduce.claims import Claim, Missing, Results, claims_table
 from kvsieve.reproduce.experiments import CellExperiment, Context
-from kvsieve.reproduce.runner import check_plan, claims_table, load_plan
+from kvsieve.reproduce.runner import check_plan, load_plan
 
 
 def _ppl_rows(values: dict[tuple[str, float], float]) -> list[dict[str, Any]]:
