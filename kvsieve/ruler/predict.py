@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -254,7 +255,7 @@ def answer(
     cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike. The settings
     whose policy does not narrow attention are answered together (:func:`predict_together`), in groups whose caches
     fit ``kv_memory`` bytes (:func:`setting_groups`; default: half the memory free on the model's device), the
-    others one by one (:func:`predict`)."""
+    others one by one (:func:`predict`), each handed over as it is made."""
     limit = max_new_tokens(sample.task)
     together = [s for s in settings if not get_policy(s.policy).narrows]
     if kv_memory is None:
@@ -266,5 +267,5 @@ def answer(
         for predicted in predict_together(model, tokenizer, *prompt, group, limit)
     ]
     alone = ((s, predict(model, tokenizer, *prompt, s, limit)) for s in settings if s not in together)
-    for setting, (text, n, first, total_s) in (*zip(together, answers, strict=True), *alone):
+    for setting, (text, n, first, total_s) in chain(zip(together, answers, strict=True), alone):
         yield setting, asdict(Prediction(text, score(sample.task, text, sample.answers), n, first, total_s))

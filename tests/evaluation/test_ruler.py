@@ -570,6 +570,22 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     }
 
 
+def test_each_setting_answered_alone_is_yielded_as_it_is_made(tiny64, prompt_ids, sources, monkeypatch) -> None:
+    """A run stopped between two narrowing settings keeps the first one's answer: ``answer`` hands it over before
+    the next prompt pass begins."""
+    model, tok = tiny64
+    head, tail = prompt_ids
+    settings = grid_settings(["topk_oracle"], [0.25, 0.9], ["aware"])
+    (sample,) = generate_samples("niah_single_1", 200, 1, Prompter(tok), sources)
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 2)
+    computed = []
+    alone = ruler_predict.predict
+    monkeypatch.setattr(ruler_predict, "predict", lambda *a: computed.append(a[4]) or alone(*a))
+    answers = answer(model, tok, sample, (head, tail), settings)
+    assert next(answers)[0] == settings[0] and computed == settings[:1]
+    assert [s for s, _ in answers] == settings[1:] and computed == settings
+
+
 @pytest.mark.slow
 def test_real_model_finds_a_needle_that_a_tiny_window_loses(real_model, sources, tmp_path) -> None:
     """SmolLM2 with the full cache reads the number back; StreamingLLM keeping a tenth of the context (its start
