@@ -327,8 +327,7 @@ def plan(settings: Settings, tokenizer: Any) -> list[Item]:
     tokenizer is not the samples' (their recorded token counts differ) or a compression keeps too few tokens."""
     from kvsieve.qa import SEPARATOR
     from kvsieve.ruler.predict import max_new_tokens
-    from kvsieve.ruler.run import load_samples
-    from kvsieve.ruler.tasks import Prompter
+    from kvsieve.ruler.tasks import Prompter, load_samples
 
     prompter = Prompter(tokenizer, settings.chat_template)
     files = sample_files(settings.ruler_out)

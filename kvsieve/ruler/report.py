@@ -6,9 +6,11 @@ under every setting), the mean score and its standard error in percent
 markdown holds per length the full cache's score per task (the ceiling), then per length and protocol the average
 over tasks of each policy at each compression (its standard error: that of a mean of the task means, √Σse²/T) with
 the full cache's average as the ceiling, then per compression a task × policy table, then the papers' claims checked
-on the grid (:mod:`~kvsieve.ruler.claims`). Plots (``plots/``): the
-average score against the compression, one line per policy, the ceiling dashed (``score_<length>_<protocol>.png``);
-a task × policy heat map per compression (``tasks_<length>_<protocol>_c<compression>.png``). A documentation page
+on the grid (:mod:`~kvsieve.ruler.claims`). ``depths.csv`` holds the single-needle tasks' scores by the needle's
+depth (:func:`by_depth`). Plots (``plots/``): the average score against the compression, one line per policy, the
+ceiling dashed (``score_<length>_<protocol>.png``); a task × policy heat map per compression
+(``tasks_<length>_<protocol>_c<compression>.png``); a policy × needle depth heat map per compression
+(``depth_<length>_<protocol>_c<compression>.png``). A documentation page
 embeds a grid's summary tables, its :func:`overview` or its claims in a results block (:mod:`kvsieve.results`)
 naming the grid's directory.
 """
@@ -27,8 +29,9 @@ from typing import Any
 from kvsieve.evaluation.plots import pyplot, save_figure
 from kvsieve.ruler import claims
 from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, task_average
+from kvsieve.ruler.tasks import load_samples
 
-__all__ = ["collect", "markdown", "overview", "summary", "write_report"]
+__all__ = ["DEPTH_BINS", "by_depth", "collect", "markdown", "overview", "summary", "write_report"]
 
 FIELDS = (
     "task",
@@ -42,22 +45,29 @@ FIELDS = (
     "first_token_s",
     "answer_s",
 )
+DEPTH_BINS = 5
+"""The single-needle tasks are also scored by the needle's depth in the haystack, in this many equal bins."""
+
+
+def _cells(out: str | Path) -> dict[tuple[str, int], tuple[list[dict[str, Any]], list[str]]]:
+    """``(task, length)`` → its cell files' contents and the samples every one of them answered, in order."""
+    cells: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(Path(out, "cells").glob("*.json")):
+        stored = json.loads(path.read_text())
+        cells[(stored["settings"]["task"], stored["settings"]["length"])].append(stored)
+    common = {key: set.intersection(*(set(c["predictions"]) for c in group)) for key, group in cells.items()}
+    return {key: (group, sorted(common[key], key=int)) for key, group in cells.items()}
 
 
 def collect(out: str | Path) -> list[dict[str, Any]]:
     """One row per cell file in ``out/cells`` (see the module docstring), over the samples of its ``(task, length)``
     answered under every setting of the grid, so that every row of a task is computed on the same samples (a cell
     still being computed narrows its task's rows until it catches up)."""
-    cells: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
-    for path in sorted(Path(out, "cells").glob("*.json")):
-        stored = json.loads(path.read_text())
-        cells[(stored["settings"]["task"], stored["settings"]["length"])].append(stored)
     rows = []
-    for group in cells.values():
-        common = set.intersection(*(set(c["predictions"]) for c in group))
+    for group, common in _cells(out).values():
         for stored in group:
             settings = stored["settings"]
-            predictions = [stored["predictions"][i] for i in sorted(common, key=int)]
+            predictions = [stored["predictions"][i] for i in common]
             if not predictions:
                 continue
             mean, stderr = mean_and_stderr([p["score"] for p in predictions])
@@ -78,6 +88,38 @@ def collect(out: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def by_depth(out: str | Path) -> list[dict[str, Any]]:
+    """The single-needle tasks' scores (:data:`~kvsieve.ruler.claims.RETRIEVAL`, pooled) by where the needle sits:
+    one row per (length, protocol, policy, compression, depth bin: :data:`DEPTH_BINS` equal shares of the haystack),
+    over the samples of each task that every setting answered, read with their depths from ``out/samples``."""
+    scores: dict[tuple[int, str, str, float, int], list[float]] = defaultdict(list)
+    for (task, length), (group, common) in _cells(out).items():
+        path = Path(out, "samples", f"{task}_{length}.jsonl")
+        if task not in claims.RETRIEVAL or not path.is_file():
+            continue
+        depth = {sample.index: sample.depths[0] for sample in load_samples(path)}
+        for stored in group:
+            settings = stored["settings"]
+            protocol = settings["protocol"] if settings["policy"] != "full" else "both"
+            for i in common:
+                at = min(int(depth[int(i)] * DEPTH_BINS), DEPTH_BINS - 1)
+                key = (length, protocol, settings["policy"], settings["compression"], at)
+                scores[key].append(stored["predictions"][i]["score"])
+    return [
+        {
+            "length": length,
+            "protocol": protocol,
+            "policy": policy,
+            "compression": compression,
+            "depth_from": at / DEPTH_BINS,
+            "depth_to": (at + 1) / DEPTH_BINS,
+            "samples": len(got),
+            "score": round(100 * sum(got) / len(got), 2),
+        }
+        for (length, protocol, policy, compression, at), got in sorted(scores.items())
+    ]
+
+
 def write_report(out: str | Path, title: str = "RULER") -> dict[str, Any]:
     """Write ``results.json``, ``results.csv``, ``results.md`` and the plots of ``out``; the rows and the paths."""
     out = Path(out)
@@ -88,8 +130,16 @@ def write_report(out: str | Path, title: str = "RULER") -> dict[str, Any]:
         writer.writeheader()
         writer.writerows(rows)
     (out / "results.md").write_text(markdown(rows, title))
-    plots = _plots(rows, out / "plots")
-    return {"rows": rows, "files": [str(out / n) for n in ("results.json", "results.csv", "results.md")] + plots}
+    depths = by_depth(out)
+    names = ["results.json", "results.csv", "results.md"]
+    if depths:
+        with open(out / "depths.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, list(depths[0]))
+            writer.writeheader()
+            writer.writerows(depths)
+        names.append("depths.csv")
+    plots = _plots(rows, out / "plots") + _depth_plots(depths, out / "plots")
+    return {"rows": rows, "files": [str(out / n) for n in names] + plots}
 
 
 @dataclass
@@ -204,6 +254,19 @@ def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: boo
     return "\n".join(lines) + "\n"
 
 
+def _heat_map(plt: Any, grid: list[list[float]], size: tuple[float, float]) -> tuple[Any, Any]:
+    """A figure of ``grid``'s scores (0–100, NaN: blank), each cell labelled, with a colour bar; the caller names
+    the axes."""
+    fig, ax = plt.subplots(figsize=size)
+    im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+    for i, line in enumerate(grid):
+        for j, value in enumerate(line):
+            if not math.isnan(value):
+                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=ax, label="score (%)")
+    return fig, ax
+
+
 def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
     paths = []
     plt = pyplot()
@@ -224,15 +287,36 @@ def _plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
         names = ["full", *sec.policies]
         for c in sec.compressions:
             grid = [[sec.by_task(p, c).get(t, {}).get("score", math.nan) for p in names] for t in sec.tasks]
-            fig, ax = plt.subplots(figsize=(0.7 * len(names) + 2.5, 0.45 * len(sec.tasks) + 1.8))
-            im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            fig, ax = _heat_map(plt, grid, (0.7 * len(names) + 2.5, 0.45 * len(sec.tasks) + 1.8))
             ax.set_xticks(range(len(names)), names, rotation=60, ha="right")
             ax.set_yticks(range(len(sec.tasks)), sec.tasks)
-            for i, line in enumerate(grid):
-                for j, value in enumerate(line):
-                    if not math.isnan(value):
-                        ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7)
-            fig.colorbar(im, ax=ax, label="score (%)")
             ax.set_title(f"RULER {sec.length} tokens, question-{sec.protocol}, compression {c:g}")
             paths.append(str(save_figure(fig, folder / f"tasks_{sec.length}_{sec.protocol}_c{c:g}.png")))
+    return paths
+
+
+def _depth_plots(rows: Sequence[dict[str, Any]], folder: Path) -> list[str]:
+    """Per (length, protocol, compression), a policy × needle depth heat map (:func:`by_depth`), the full cache on
+    top: ``depth_<length>_<protocol>_c<compression>.png``."""
+    paths = []
+    plt = pyplot()
+    for length, protocol, c in sorted(
+        {(r["length"], r["protocol"], r["compression"]) for r in rows if r["policy"] != "full"}
+    ):
+        here = [r for r in rows if r["length"] == length and r["policy"] == "full"]
+        here += [r for r in rows if (r["length"], r["protocol"], r["compression"]) == (length, protocol, c)]
+        bins = sorted({(r["depth_from"], r["depth_to"]) for r in here})
+        names = list(dict.fromkeys(r["policy"] for r in here))
+        score = {(r["policy"], r["depth_from"]): r["score"] for r in here}
+        count = {r["depth_from"]: r["samples"] for r in here if r["policy"] == "full"}
+        grid = [[score.get((p, b), math.nan) for b, _ in bins] for p in names]
+        fig, ax = _heat_map(plt, grid, (0.9 * len(bins) + 3, 0.35 * len(names) + 1.8))
+        labels = [f"{b:.0%}–{e:.0%}\n(n = {count.get(b, '–')})" for b, e in bins]
+        ax.set_xticks(range(len(bins)), labels, fontsize=8)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("needle depth (share of the haystack before it)")
+        ax.set_title(
+            f"RULER {length} tokens, question-{protocol}, compression {c:g}: single needles by depth", fontsize=9
+        )
+        paths.append(str(save_figure(fig, folder / f"depth_{length}_{protocol}_c{c:g}.png")))
     return paths

@@ -35,7 +35,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.policies import REGISTRY, get_policy
 from kvsieve.ruler.predict import FULL, Setting, answer
-from kvsieve.ruler.tasks import GENERATOR, TASKS, Prompter, Sample, Sources, generate_samples, sentences, vocabulary
+from kvsieve.ruler.tasks import (
+    GENERATOR,
+    TASKS,
+    Prompter,
+    Sample,
+    Sources,
+    generate_samples,
+    load_samples,
+    sentences,
+    vocabulary,
+)
 
 if TYPE_CHECKING:
     from kvsieve.evaluation.ray_sweep import RayOptions
@@ -180,10 +190,6 @@ class _Cell:
         partial = self.path.with_name(self.path.name + ".partial")
         partial.write_text(json.dumps({"settings": self.settings, "predictions": self.predictions}, indent=1))
         partial.replace(self.path)
-
-
-def load_samples(path: Path) -> list[Sample]:
-    return [Sample.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def samples_for(

@@ -50,6 +50,7 @@ Choices where the paper leaves room, each fixed here:
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 import string
@@ -57,13 +58,14 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.qa import split_prompt
 
-__all__ = ["GENERATOR", "TASKS", "Prompter", "Sample", "Sources", "generate_samples", "sentences"]
+__all__ = ["GENERATOR", "TASKS", "Prompter", "Sample", "Sources", "generate_samples", "load_samples", "sentences"]
 
 GENERATOR = 2
 """The generator's version: bumped whenever the samples drawn from a seed change (stored samples and answers of
@@ -94,6 +96,11 @@ class Sample:
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> Sample:
         return cls(**{**row, "answers": tuple(row["answers"]), "depths": tuple(row["depths"])})
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """The samples of a ``.jsonl`` file (one :meth:`Sample.to_dict` per line), as ``kvsieve ruler`` writes them."""
+    return [Sample.from_dict(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 class Prompter:

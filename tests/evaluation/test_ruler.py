@@ -22,7 +22,7 @@ from kvsieve.engine.memory import reservation
 from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
 from kvsieve.ruler.predict import FULL, Setting, answer, predict, predict_together, setting_groups
-from kvsieve.ruler.report import write_report
+from kvsieve.ruler.report import by_depth, write_report
 from kvsieve.ruler.run import GridSettings, default_policies, grid_settings, run_ruler
 from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, score
 from kvsieve.ruler.tasks import (
@@ -477,7 +477,9 @@ def _check_report(out, settings) -> None:
         assert per_task_named["policy"] == "| policy | niah_single_1 | vt |"
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert plots == sorted(
-        f"{kind}_256_{q}{c}.png" for q in ("agnostic", "aware") for kind, c in (("score", ""), ("tasks", "_c0.5"))
+        f"{kind}_256_{q}{c}.png"
+        for q in ("agnostic", "aware")
+        for kind, c in (("score", ""), ("tasks", "_c0.5"), ("depth", "_c0.5"))  # (niah_single_1: a single needle)
     )
     for p in (out / "plots").glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
@@ -635,6 +637,42 @@ def test_a_full_only_grid_reports_its_ceiling(tmp_path) -> None:
     md = (tmp_path / "results.md").read_text()
     assert "## 512 tokens, the full cache (the ceiling)" in md
     assert "| score % | 100 ± 0 | 50 ± 50 | 75.0 ± 25.0 |" in md
+
+
+def test_single_needles_are_scored_by_their_depth(tmp_path) -> None:
+    """``by_depth`` pools the single-needle tasks' answers by the needle's depth bin, over the samples every setting
+    answered; other tasks are not in it; the report writes ``depths.csv`` and a heat map per compression."""
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "samples").mkdir()
+    depths = {"niah_single_1": [0.05, 0.95, 0.5], "niah_single_2": [0.1, 0.99], "vt": [0.1, 0.9]}
+    for task, at in depths.items():
+        lines = [json.dumps(Sample(task, 512, i, "c", "q", "a", ("1",), (d,), 500).to_dict()) for i, d in enumerate(at)]
+        (tmp_path / "samples" / f"{task}_512.jsonl").write_text("\n".join(lines) + "\n")
+    grid = {
+        ("full", "aware", 0.0): {"niah_single_1": [1, 1, 1], "niah_single_2": [1, 1], "vt": [1, 1]},
+        # (sample 2 of niah_single_1 not answered yet: not counted anywhere)
+        ("streaming_llm", "agnostic", 0.5): {"niah_single_1": [0, 1], "niah_single_2": [1, 1], "vt": [0, 0]},
+    }
+    for (policy, protocol, compression), by_task in grid.items():
+        for task, scores in by_task.items():
+            settings = {"task": task, "length": 512, "protocol": protocol, "policy": policy, "compression": compression}
+            predictions = {str(i): {"score": v, "first_token_s": 1.0, "total_s": 2.0} for i, v in enumerate(scores)}
+            name = f"{task}_{protocol}_{policy}.json"
+            (tmp_path / "cells" / name).write_text(json.dumps({"settings": settings, "predictions": predictions}))
+    rows = by_depth(tmp_path)
+    got = {(r["policy"], r["depth_from"]): (r["samples"], r["score"]) for r in rows}
+    # by hand, 5 bins: depths 0.05 and 0.1 → bin 0; 0.95 and 0.99 → bin 4 (vt is not a single needle)
+    assert got == {
+        ("full", 0.0): (2, 100.0),
+        ("full", 0.8): (2, 100.0),
+        ("streaming_llm", 0.0): (2, 50.0),
+        ("streaming_llm", 0.8): (2, 100.0),
+    }
+    assert {r["protocol"] for r in rows if r["policy"] == "full"} == {"both"}
+    files = write_report(tmp_path)["files"]
+    assert str(tmp_path / "depths.csv") in files and str(tmp_path / "plots" / "depth_512_agnostic_c0.5.png") in files
+    with open(tmp_path / "depths.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
 
 
 def test_overview_puts_every_protocol_and_compression_of_a_length_in_one_table(tmp_path) -> None:
