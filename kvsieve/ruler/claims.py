@@ -30,7 +30,7 @@ from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.reproduce.claims import Check, Claim, Missing, Outcome, Results, claims_table, signed
 from kvsieve.ruler.scoring import plus_minus, task_average
 
-__all__ = ["CLOSE", "RETRIEVAL", "SIGNIFICANT", "claims", "markdown"]
+__all__ = ["CLOSE", "RETRIEVAL", "SIGNIFICANT", "at_least", "below_full", "claims", "close_to_full", "markdown"]
 
 PART = "ruler"
 FIFTH = 0.75
