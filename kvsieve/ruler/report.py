@@ -49,7 +49,10 @@ DEPTH_BINS = 5
 """The single-needle tasks are also scored by the needle's depth in the haystack, in this many equal bins."""
 
 
-def _cells(out: str | Path) -> dict[tuple[str, int], tuple[list[dict[str, Any]], list[str]]]:
+_Cells = dict[tuple[str, int], tuple[list[dict[str, Any]], list[str]]]
+
+
+def _cells(out: str | Path) -> _Cells:
     """``(task, length)`` → its cell files' contents and the samples every one of them answered, in order."""
     cells: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
     for path in sorted(Path(out, "cells").glob("*.json")):
@@ -59,12 +62,21 @@ def _cells(out: str | Path) -> dict[tuple[str, int], tuple[list[dict[str, Any]],
     return {key: (group, sorted(common[key], key=int)) for key, group in cells.items()}
 
 
+def _protocol(settings: dict[str, Any]) -> str:
+    """A cell's protocol in the report: the full cache's is ``both`` (without eviction they compute the same)."""
+    return settings["protocol"] if settings["policy"] != "full" else "both"
+
+
 def collect(out: str | Path) -> list[dict[str, Any]]:
     """One row per cell file in ``out/cells`` (see the module docstring), over the samples of its ``(task, length)``
     answered under every setting of the grid, so that every row of a task is computed on the same samples (a cell
     still being computed narrows its task's rows until it catches up)."""
+    return _rows(_cells(out))
+
+
+def _rows(cells: _Cells) -> list[dict[str, Any]]:
     rows = []
-    for group, common in _cells(out).values():
+    for group, common in cells.values():
         for stored in group:
             settings = stored["settings"]
             predictions = [stored["predictions"][i] for i in common]
@@ -75,7 +87,7 @@ def collect(out: str | Path) -> list[dict[str, Any]]:
                 {
                     "task": settings["task"],
                     "length": settings["length"],
-                    "protocol": settings["protocol"] if settings["policy"] != "full" else "both",
+                    "protocol": _protocol(settings),
                     "policy": settings["policy"],
                     "compression": settings["compression"],
                     "samples": len(predictions),
@@ -92,18 +104,21 @@ def by_depth(out: str | Path) -> list[dict[str, Any]]:
     """The single-needle tasks' scores (:data:`~kvsieve.ruler.claims.RETRIEVAL`, pooled) by where the needle sits:
     one row per (length, protocol, policy, compression, depth bin: :data:`DEPTH_BINS` equal shares of the haystack),
     over the samples of each task that every setting answered, read with their depths from ``out/samples``."""
+    return _depth_rows(out, _cells(out))
+
+
+def _depth_rows(out: str | Path, cells: _Cells) -> list[dict[str, Any]]:
     scores: dict[tuple[int, str, str, float, int], list[float]] = defaultdict(list)
-    for (task, length), (group, common) in _cells(out).items():
+    for (task, length), (group, common) in cells.items():
         path = Path(out, "samples", f"{task}_{length}.jsonl")
         if task not in claims.RETRIEVAL or not path.is_file():
             continue
         depth = {sample.index: sample.depths[0] for sample in load_samples(path)}
         for stored in group:
             settings = stored["settings"]
-            protocol = settings["protocol"] if settings["policy"] != "full" else "both"
             for i in common:
                 at = min(int(depth[int(i)] * DEPTH_BINS), DEPTH_BINS - 1)
-                key = (length, protocol, settings["policy"], settings["compression"], at)
+                key = (length, _protocol(settings), settings["policy"], settings["compression"], at)
                 scores[key].append(stored["predictions"][i]["score"])
     return [
         {
@@ -123,14 +138,15 @@ def by_depth(out: str | Path) -> list[dict[str, Any]]:
 def write_report(out: str | Path, title: str = "RULER") -> dict[str, Any]:
     """Write ``results.json``, ``results.csv``, ``results.md`` and the plots of ``out``; the rows and the paths."""
     out = Path(out)
-    rows = collect(out)
+    cells = _cells(out)  # (read once: the rows and the depths)
+    rows = _rows(cells)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     (out / "results.md").write_text(markdown(rows, title))
-    depths = by_depth(out)
+    depths = _depth_rows(out, cells)
     names = ["results.json", "results.csv", "results.md"]
     if depths:
         with open(out / "depths.csv", "w", newline="") as f:
