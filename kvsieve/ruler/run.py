@@ -6,7 +6,9 @@ identical prompts), ``cells/<task>_<length>_<setting>.json`` (each sample's answ
 settings they were computed with: a cell computed with other settings is computed again), and the report
 (:mod:`kvsieve.ruler.report`). The loop runs sample by sample — the first sample of every task, then the second of each,
 … — every setting of a sample at once (:func:`~kvsieve.ruler.predict.answer`), and the cell files are rewritten after
-each sample: an interrupted run loses at most one sample's answers and a rerun computes only what is missing.
+each sample: an interrupted run loses at most one sample's answers and a rerun computes only what is missing. Runs
+whose tasks or lengths do not overlap can share ``OUT`` at once: each ``(task, length)`` has files of its own, each
+written whole (a temporary file renamed).
 
 **On Ray** (``kvsieve ruler --ray [ADDRESS]``; :mod:`kvsieve.evaluation.ray_sweep` for the options and the cluster):
 this process makes or reads the samples and their prompt tokens, then each sample with settings still to answer is one

@@ -10,6 +10,9 @@ import json
 import math
 import re
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -436,6 +439,31 @@ def test_run_is_resumable_and_reported(tiny_lm, sources, tmp_path, monkeypatch) 
         cell["predictions"]["1"]["score"] = (i % 3) / 2
         p.write_text(json.dumps(cell))
     _check_report(tmp_path, settings)
+
+
+def test_runs_on_disjoint_tasks_share_one_out(tiny_lm, sources, tmp_path, monkeypatch) -> None:
+    """Two runs at once on different tasks into one directory store what one run of both tasks stores."""
+    model, tok = tiny_lm
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 3)
+    settings = grid_settings(["full", "h2o"], [0.5], ["agnostic"])
+    grid = GridSettings(model="tiny", dtype="float32", seed=0, haystack="wikipedia")
+
+    def run(out: Path, tasks: list[str]) -> None:
+        run_ruler(model, tok, out, lambda: sources, grid, tasks, [RUN_LENGTH], settings, RUN_SAMPLES, progress=False)
+
+    def stored(out: Path) -> dict[str, Any]:
+        cells = {p.name: json.loads(p.read_text()) for p in (out / "cells").glob("*.json")}
+        answers = {n: {i: (p["text"], p["score"]) for i, p in c["predictions"].items()} for n, c in cells.items()}
+        samples = {p.name: p.read_text() for p in (out / "samples").iterdir()}
+        return {"settings": {n: c["settings"] for n, c in cells.items()}, "answers": answers, "samples": samples}
+
+    run(tmp_path / "one", RUN_TASKS)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda task: run(tmp_path / "shared", [task]), RUN_TASKS))
+    assert sorted(p.name for p in (tmp_path / "shared" / "cells").iterdir()) == sorted(
+        f"{t}_{RUN_LENGTH}_{s.key}.json" for t in RUN_TASKS for s in settings
+    )  # (no temporary file left)
+    assert stored(tmp_path / "shared") == stored(tmp_path / "one")
 
 
 def _check_report(out, settings) -> None:
