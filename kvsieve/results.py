@@ -6,9 +6,9 @@ A page (README.md, docs/*.md) holds blocks::
     (rendered here)
     <!-- /results -->
 
-``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json`` or ``kvsieve
-bench --json`` (with or without a preset) printed, or ``scripts/ruler_cost.py --out`` or ``scripts/serve_soak.py --out``
-wrote; each carries its
+``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json``, ``kvsieve
+bench --json`` (with or without a preset) or ``kvsieve reproduce --json`` (its claims table) printed, or
+``scripts/ruler_cost.py --out`` or ``scripts/serve_soak.py --out`` wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
 :func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
@@ -243,6 +243,12 @@ def _compiled_decode(result: dict[str, Any]) -> str:
     return md_table(header, rows) + "\n" + note
 
 
+def _reproduce(result: dict[str, Any]) -> str:
+    from kvsieve.reproduce.claims import claims_table, tally
+
+    return claims_table(result["claims"]) + "\n" + tally(result["claims"]) + "\n"
+
+
 def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
     program, command = result["provenance"]["command"][:2]
     if Path(program).name == "ruler_cost.py":
@@ -255,6 +261,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
         return _serve_ray
     if command == "compare":
         return _compare
+    if command == "reproduce":
+        return _reproduce
     if command == "bench" and "stream_engine" in result:
         return _stream_engine
     if command == "bench" and "cells" in result:

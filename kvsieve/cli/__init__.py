@@ -80,11 +80,11 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         print(markdown(result))
         print("wrote", *result["files"].values(), sep="\n  ")
     elif command == "reproduce":
+        from kvsieve.reproduce.claims import tally
+
         print(result["table"])
-        held = [c["holds"] for c in result["claims"]]
         print(
-            f"{held.count(True)} of {len(held)} claims hold, {held.count(False)} do not, {held.count(None)} not "
-            f"evaluated; {result['computed']} cell(s) computed, {result['missing']} not finished "
+            f"{tally(result['claims'])} {result['computed']} cell(s) computed, {result['missing']} not finished "
             f"({result['seconds']:.0f} s)",
             *result["files"].values(),
             sep="\n  ",

@@ -93,6 +93,16 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def tally(claims: Sequence[dict[str, Any]]) -> str:
+    """One line: how many of ``claims`` (evaluated) hold, do not, and are not evaluated yet."""
+    held = sum(c["holds"] is True for c in claims)
+    failed = sum(c["holds"] is False for c in claims)
+    pending = sum(c["holds"] is None for c in claims)
+    return f"{held} of {len(claims)} claims hold, {failed} do not" + (
+        f", {pending} not evaluated (parts not finished)." if pending else "."
+    )
+
+
 def claims_table(claims: Sequence[dict[str, Any]]) -> str:
     """The markdown table: claim (with section/table/figure) | our setting | our number | holds?"""
     lines = ["| claim | our setting | our number | holds? |", "|---|---|---|---|"]

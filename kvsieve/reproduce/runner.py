@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvsieve.engine.budget import Budget
 from kvsieve.evaluation.defaults import DEFAULT_MODEL
 from kvsieve.reproduce import PAPERS, default_out
-from kvsieve.reproduce.claims import Claim, Results, claims_table, pct
+from kvsieve.reproduce.claims import Claim, Results, claims_table, pct, tally
 from kvsieve.reproduce.experiments import PROTOCOL_NOTES, Context, Experiment, Part
 
 if TYPE_CHECKING:
@@ -146,10 +146,6 @@ def _settings_line(settings: dict[str, Any]) -> str:
 
 def markdown(plan: Plan, report: dict[str, Any], results: Results, parts: dict[str, Part]) -> str:
     """``report.md``: the heading and notes, the claims table, the views, then each experiment's section."""
-    claims = report["claims"]
-    held = sum(c["holds"] is True for c in claims)
-    failed = sum(c["holds"] is False for c in claims)
-    pending = sum(c["holds"] is None for c in claims)
     lines = [
         f"# Reproducing {plan.title}",
         "",
@@ -161,9 +157,8 @@ def markdown(plan: Plan, report: dict[str, Any], results: Results, parts: dict[s
         "",
         "## Claims",
         "",
-        claims_table(claims),
-        f"{held} of {len(claims)} claims hold, {failed} do not"
-        + (f", {pending} not evaluated (parts not finished)." if pending else "."),
+        claims_table(report["claims"]),
+        tally(report["claims"]),
         "",
     ]
     for view in plan.views:

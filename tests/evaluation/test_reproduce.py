@@ -1,6 +1,7 @@
 """``kvsieve reproduce``: the claims' predicates on synthetic numbers (both outcomes, and not evaluated), the papers'
 plans, resumable cells, one-line errors before anything is written, and each paper's ``--quick`` run on the real
-model (``slow``): files, one computed verdict per claim, a second run that computes nothing, ``--report``."""
+model (``slow``): files, one computed verdict per claim, the page a ``--json`` result renders, a second run that
+computes nothing, ``--report``."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 from kvsieve.cli import main
 from kvsieve.reproduce import PAPERS, claims
 from kvsieve.reproduce.ahakv import ablation_specs
-from kvsieve.reproduce.claims import Claim, Missing, Results, claims_table
+from kvsieve.reproduce.claims import Claim, Missing, Results, claims_table, tally
 from kvsieve.reproduce.experiments import CellExperiment, Context
 from kvsieve.reproduce.runner import check_plan, load_plan
+from kvsieve.results import render_file
 
 
 def _ppl_rows(values: dict[tuple[str, float], float]) -> list[dict[str, Any]]:
@@ -255,6 +257,11 @@ def test_cli_reproduce_quick(paper: str, tmp_path, monkeypatch, capsys) -> None:
         assert f"`{name}/`" in report
     pictures = [line.split("](")[1].rstrip(")") for line in report.splitlines() if line.startswith("![")]
     assert pictures and all((out / p).stat().st_size > 5000 for p in pictures)
+    (tmp_path / "printed.json").write_text(json.dumps(first))  # (a page renders what --json printed)
+    page = render_file(tmp_path / "printed.json")
+    assert [line for line in page.splitlines() if line.startswith("| **")] == rows
+    assert tally(first["claims"]) in report and tally(first["claims"]) in page
+    assert " ".join(first["provenance"]["command"]) in page
 
     assert run()["computed"] == 0  # resumed: every part found on disk
 
