@@ -15,10 +15,9 @@ It starts ``kvsieve serve --ray --replicas N`` (a new local Ray, or ``--ray ADDR
    bytes it held against ``--kv-memory-gb``;
 4. ``fault`` (not with ``--no-fault``): ``--streams`` streams of ``--long`` tokens, then, once each has its first
    chunk, ``--plain`` unstreamed completions of as many; the first replica whose ``/metrics`` shows more requests
-   running or waiting than the streams that began on it (so an unstreamed one too) is killed (SIGKILL) while a
-   stream of it runs. Unstreamed requests are sent by a client that retries twice (the ``openai`` default), so those
-   of the dead replica go to another one; then the seconds from the kill until Serve's replacement replica answers
-   ``/metrics``;
+   running or waiting than its streams still running (so an unstreamed one too) is killed (SIGKILL). Unstreamed
+   requests are sent by a client that retries twice (the ``openai`` default), so those of the dead replica go to
+   another one; then the seconds from the kill until Serve's replacement replica answers ``/metrics``;
 5. ``exit``: Ctrl-C (SIGINT) to the server: its exit code and seconds.
 
 The report (printed; ``--out FILE``: JSON with the provenance) keeps what each request got and these checks (exit
@@ -160,8 +159,13 @@ def concurrently(calls: list[Any], timeout: float) -> list[Any]:
 
 def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Streams, then (once each has its first chunk) unstreamed requests, in flight on the replicas; the first replica
-    seen (``/metrics``) holding more requests than the streams that began on it, so an unstreamed one too, is killed
-    (SIGKILL) while a stream of it runs. What each request got, and the kill (``killed_at``: ``time.monotonic``)."""
+    seen (``/metrics``) running a stream and holding more requests than its streams still running, so an unstreamed
+    one too, is killed (SIGKILL). What each request got, and the kill (``killed_at``: ``time.monotonic``).
+
+    The streams still running are those whose client has not seen their end, taken before ``/metrics`` is read: a
+    stream the replica holds then is among them (the replica ends a stream before its client sees the end), so more
+    requests held than these means an unstreamed one. (Counting every stream that began on the replica, ended ones
+    too, could miss the moment: after a replica's first stream ended, it might never hold more.)"""
     greedy = {"model": name, "max_tokens": args.long, "temperature": 0}
     began: dict[int, str] = {}  # stream index → its replica's PID, from its first chunk
     running: set[int] = set()  # the streams that began and have not ended
@@ -203,9 +207,10 @@ def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str,
         finally:
             sent.set()  # (the unstreamed requests never wait for more than the streams)
         while running and time.monotonic() < deadline:
+            still = [began[i] for i in list(running)]
             if answer := replica_metrics(base):
                 pid, values = answer
-                streams = sum(p == pid for p in list(began.values()))  # (one that ended may be counted still)
+                streams = still.count(pid)
                 held = values.get("kvsieve_running_requests", 0) + values.get("kvsieve_queue_depth", 0)
                 if held > streams and any(began[i] == pid for i in list(running)):
                     os.kill(int(pid), signal.SIGKILL)
