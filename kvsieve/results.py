@@ -206,8 +206,10 @@ def _serve_ray(result: dict[str, Any]) -> str:
     ]  # fmt: skip
     if "fault" in summary:
         f = summary["fault"]
+        by_elimination = f.get("victim_seen_by") == "elimination"
+        seen = " (the other replicas' /metrics showed none unstreamed)" if by_elimination else ""
         rows += [
-            [f"a replica killed (SIGKILL) holding {f['victim_held']} requests, {f['victim_streams']} streamed",
+            [f"a replica killed (SIGKILL) holding {f['victim_held']} requests, {f['victim_streams']} streamed{seen}",
              f"{f['plain_answered']} of {f['plain']} unstreamed requests "
              f"answered in full ({f['plain_retried']} retried on the other replica); of {f['streams']} streams "
              f"{f['streams_complete']} complete, {f['streams_ended_by_error']} ended by the error event; {f['hung']} "

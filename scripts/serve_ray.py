@@ -14,10 +14,12 @@ It starts ``kvsieve serve --ray --replicas N`` (a new local Ray, or ``--ray ADDR
 3. ``metrics``: each replica's ``/metrics`` (reached through the proxy until every replica answered): the most KV
    bytes it held against ``--kv-memory-gb``;
 4. ``fault`` (not with ``--no-fault``): ``--streams`` streams of ``--long`` tokens, then, once each has its first
-   chunk, ``--plain`` unstreamed completions of as many; the first replica whose ``/metrics`` shows more requests
-   running or waiting than its streams still running (so an unstreamed one too) is killed (SIGKILL). Unstreamed
-   requests are sent by a client that retries twice (the ``openai`` default), so those of the dead replica go to
-   another one; then the seconds from the kill until Serve's replacement replica answers ``/metrics``;
+   chunk, ``--plain`` unstreamed completions of as many; a replica running a stream and holding an unstreamed
+   request is killed (SIGKILL): the first whose ``/metrics`` shows more requests running or waiting than its streams
+   still running, or the one left when every other replica's ``/metrics`` shows none beside its streams (the proxy
+   sends ``/metrics`` to the less busy replica). Unstreamed requests are sent by a client that retries twice (the
+   ``openai`` default), so those of the dead replica go to another one; then the seconds from the kill until
+   Serve's replacement replica answers ``/metrics``;
 5. ``exit``: Ctrl-C (SIGINT) to the server: its exit code and seconds.
 
 The report (printed; ``--out FILE``: JSON with the provenance) keeps what each request got and these checks (exit
@@ -58,6 +60,7 @@ PROMPTS = [
 CHAT = [{"role": "user", "content": "Name three rivers of Europe and the seas they flow into."}]
 STOPPED = "the replica serving this request stopped"
 PID, NODE = "x-kvsieve-replica-pid", "x-kvsieve-replica-node"
+SETTLE_S = 1.0  # (seconds after which unstreamed requests sent at once have all reached a replica)
 
 
 def answers(api: Any, name: str, tokens: int) -> dict[str, Any]:
@@ -157,18 +160,26 @@ def concurrently(calls: list[Any], timeout: float) -> list[Any]:
     return [{"hung": True} if thread.is_alive() else result for thread, result in zip(threads, results, strict=True)]
 
 
-def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Streams, then (once each has its first chunk) unstreamed requests, in flight on the replicas; the first replica
-    seen (``/metrics``) running a stream and holding more requests than its streams still running, so an unstreamed
-    one too, is killed (SIGKILL). What each request got, and the kill (``killed_at``: ``time.monotonic``).
+def fault(api: Any, base: str, name: str, args: argparse.Namespace, replicas: set[str]) -> dict[str, Any]:
+    """Streams, then (once each has its first chunk) unstreamed requests, in flight on the ``replicas`` (their PIDs);
+    a replica running a stream and holding an unstreamed request too is killed (SIGKILL). What each request got, and
+    the kill (``killed_at``: ``time.monotonic``; ``victim_seen_by``: how the victim was known to hold an unstreamed
+    request).
 
-    The streams still running are those whose client has not seen their end, taken before ``/metrics`` is read: a
-    stream the replica holds then is among them (the replica ends a stream before its client sees the end), so more
-    requests held than these means an unstreamed one. (Counting every stream that began on the replica, ended ones
-    too, could miss the moment: after a replica's first stream ended, it might never hold more.)"""
+    ``/metrics`` reaches whichever replica the proxy picks, and it picks the less busy one: the replica that drew the
+    unstreamed requests may never answer it. So the victim is known either way:
+
+    - ``"metrics"``: its own ``/metrics`` shows more requests running or waiting than its streams still running (those
+      whose client has not seen their end, taken before ``/metrics`` is read: a stream the replica holds then is among
+      them, since the replica ends a stream before its client sees the end), so an unstreamed one;
+    - ``"elimination"``: ``SETTLE_S`` after the unstreamed requests were sent (they have reached a replica), every
+      other replica's ``/metrics`` showed no more requests than its streams still running, while unstreamed requests
+      were open: these are on the one replica left, and it runs a stream. ``victim_held`` then counts its streams
+      still running and the open unstreamed requests."""
     greedy = {"model": name, "max_tokens": args.long, "temperature": 0}
     began: dict[int, str] = {}  # stream index → its replica's PID, from its first chunk
     running: set[int] = set()  # the streams that began and have not ended
+    pending: set[int] = set()  # the unstreamed requests sent that have not ended
     ready, sent = threading.Semaphore(0), threading.Event()
 
     def streamed(index: int, prompt: str) -> dict[str, Any]:
@@ -190,14 +201,23 @@ def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str,
                 ready.release()  # (it ended before a chunk: nothing to wait for)
         return {"text": "".join(pieces), "pid": pid, "error": error, "seconds": _since(start)}
 
-    def plain(prompt: str) -> dict[str, Any]:
+    def plain(index: int, prompt: str) -> dict[str, Any]:
         sent.wait()
         start = time.monotonic()
-        raw = api.completions.with_raw_response.create(prompt=prompt, **greedy)
+        pending.add(index)
+        try:
+            raw = api.completions.with_raw_response.create(prompt=prompt, **greedy)
+        finally:
+            pending.discard(index)
         text = raw.parse().choices[0].text
         return {"text": text, "pid": raw.headers.get(PID), "retries": raw.retries_taken, "seconds": _since(start)}
 
     kill: dict[str, Any] = {"victim": None, "killed_at": None}
+
+    def killed(pid: str, seen_by: str, held: int, streams: int) -> None:
+        os.kill(int(pid), signal.SIGKILL)
+        kill.update(victim=pid, killed_at=time.monotonic(), victim_seen_by=seen_by, victim_held=held)
+        kill.update(victim_streams=streams)
 
     def killer() -> None:
         deadline = time.monotonic() + args.timeout
@@ -206,21 +226,26 @@ def fault(api: Any, base: str, name: str, args: argparse.Namespace) -> dict[str,
                 ready.acquire(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             sent.set()  # (the unstreamed requests never wait for more than the streams)
+        settled, cleared = time.monotonic() + SETTLE_S, set()
         while running and time.monotonic() < deadline:
             still = [began[i] for i in list(running)]
             if answer := replica_metrics(base):
                 pid, values = answer
-                streams = still.count(pid)
-                held = values.get("kvsieve_running_requests", 0) + values.get("kvsieve_queue_depth", 0)
-                if held > streams and any(began[i] == pid for i in list(running)):
-                    os.kill(int(pid), signal.SIGKILL)
-                    kill.update(victim=pid, killed_at=time.monotonic(), victim_held=int(held), victim_streams=streams)
+                held = int(values.get("kvsieve_running_requests", 0) + values.get("kvsieve_queue_depth", 0))
+                if held > still.count(pid) and any(began[i] == pid for i in list(running)):
+                    killed(pid, "metrics", held, still.count(pid))
                     return
+                if time.monotonic() >= settled and held <= still.count(pid):
+                    cleared.add(pid)
+                    now, left = [began[i] for i in list(running)], replicas - cleared
+                    if len(left) == 1 and pending and (victim := next(iter(left))) in now:
+                        killed(victim, "elimination", now.count(victim) + len(pending), now.count(victim))
+                        return
             time.sleep(0.05)
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(args.streams, args.plain))]
     calls = [lambda i=i, p=p: streamed(i, p) for i, p in enumerate(prompts[: args.streams])]
-    calls += [lambda p=p: plain(p) for p in prompts[: args.plain]]
+    calls += [lambda i=i, p=p: plain(i, p) for i, p in enumerate(prompts[: args.plain])]
     killing = threading.Thread(target=killer, daemon=True)
     killing.start()
     results = concurrently(calls, args.timeout * 2)  # (a retried request may take two timeouts)
@@ -267,7 +292,7 @@ def scenario(args: argparse.Namespace) -> dict[str, Any]:
         found["metrics"] = seen
         if args.fault:
             retrying = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=2, timeout=args.timeout)
-            found["fault"] = fault(retrying, base, name, args)
+            found["fault"] = fault(retrying, base, name, args, set(seen))
             after: dict[str, dict[str, float]] = {}
             metrics(base, 1, after, args.timeout, avoid={found["fault"]["victim"], *seen})  # (Serve starts a new one)
             killed = found["fault"].pop("killed_at")
@@ -325,6 +350,7 @@ def summarize(found: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         complete = [r for r in streams if r.get("error") is None and "hung" not in r and r["pid"] != victim]
         everything = plain + streams
         summary["fault"] = {
+            "victim_seen_by": found["fault"].get("victim_seen_by"),
             "victim_held": found["fault"].get("victim_held"),
             "victim_streams": found["fault"].get("victim_streams"),
             "plain": len(plain),

@@ -13,8 +13,13 @@ The script's report must say so too. Everything started is killed at the end, al
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -141,9 +146,11 @@ def test_a_killed_replica_costs_no_unstreamed_request_and_ends_its_streams_with_
     fault, expected = local["fault"], in_process["long"] * 2
     victim = fault["victim"]
     assert victim is not None and victim in local["metrics"]
-    # killed while it ran a stream and held an unstreamed request too (its /metrics said so)
+    # killed while it ran a stream and held an unstreamed request too (its /metrics said so, or the other's said that
+    # it held none while unstreamed requests were open)
     summary = report["summary"]["fault"]
     assert summary["victim_held"] > summary["victim_streams"] >= 1, summary
+    assert summary["victim_seen_by"] in ("metrics", "elimination"), summary
     # unstreamed: every one answered in full, those of the dead replica by the other (the openai client retried)
     retried = [r for r in fault["plain"] if r.get("retries")]
     assert [r.get("text") for r in fault["plain"]] == expected, fault["plain"]
@@ -168,6 +175,7 @@ def test_a_killed_replica_costs_no_unstreamed_request_and_ends_its_streams_with_
     assert all(report["checks"].values()), report["checks"]
     page = render_file(report_file)
     assert "scripts/serve_ray.py" in page and "| requests spread |" in page
+    assert ("/metrics showed none unstreamed" in page) == (summary["victim_seen_by"] == "elimination")
 
 
 @slow
@@ -180,6 +188,66 @@ def test_a_two_node_cluster_serves_a_replica_on_each_node(tiny_dir, in_process, 
     assert len(nodes) == 2 and len(set(nodes.values())) == 2  # (Ray's node ids: one replica on each node)
     assert report["summary"]["spread"]["nodes"] == 2 and "fault" not in report["summary"]
     assert found["exit"]["code"] == 0 and all(report["checks"].values())
+
+
+class _Replicas:
+    """Two replicas as the fault phase's client sees them, without Ray: streams of the first three prompts on
+    replica 101, of the fourth on 102, every unstreamed request on 102, and ``/metrics`` answered by ``answering``
+    with what it holds (Ray Serve's proxy sends it to the less busy replica). A killed replica's streams fail; the
+    unstreamed requests end (answered by 101: retried) once one is killed."""
+
+    def __init__(self, answering: str) -> None:
+        self.answering, self.killed = answering, threading.Event()
+        self.victims: list[int] = []
+        self.completions = self  # (api.completions.with_raw_response.create)
+        self.with_raw_response = self
+
+    def create(self, prompt: str, stream: bool = False, **_: Any) -> SimpleNamespace:
+        pid = "101" if stream and prompt != script.PROMPTS[3] else "102"
+        if not stream:
+            assert self.killed.wait(10)
+            answer = SimpleNamespace(choices=[SimpleNamespace(text="answer")])
+            return SimpleNamespace(headers={script.PID: "101"}, retries_taken=1, parse=lambda: answer)
+        return SimpleNamespace(headers={script.PID: pid}, parse=lambda: self._chunks(pid))
+
+    def _chunks(self, pid: str) -> Iterator[SimpleNamespace]:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.killed.is_set():
+                if self.victims == [int(pid)]:
+                    raise RuntimeError(script.STOPPED)
+                return
+            yield SimpleNamespace(choices=[SimpleNamespace(text="x")])
+            time.sleep(0.01)
+
+    def metrics(self, base: str) -> tuple[str, dict[str, float]]:
+        held = 3 if self.answering == "101" else 1 + 8  # (101: its three streams; 102: its stream, the unstreamed)
+        return self.answering, {"kvsieve_running_requests": float(held), "kvsieve_queue_depth": 0.0}
+
+    def kill(self, pid: int, signum: int) -> None:
+        assert signum == signal.SIGKILL
+        self.victims.append(pid)
+        self.killed.set()
+
+
+@pytest.mark.parametrize(("answering", "seen_by"), [("102", "metrics"), ("101", "elimination")])
+def test_the_replica_killed_holds_an_unstreamed_request_though_metrics_reach_only_the_other(
+    monkeypatch, answering, seen_by
+) -> None:
+    """The fault phase kills the replica that runs a stream and holds the unstreamed requests, whether its own
+    ``/metrics`` says so or only the other replica's answers (it holds nothing but its streams)."""
+    replicas = _Replicas(answering)
+    monkeypatch.setattr(script, "replica_metrics", replicas.metrics)
+    monkeypatch.setattr(script.os, "kill", replicas.kill)
+    monkeypatch.setattr(script, "SETTLE_S", 0.2)
+    args = SimpleNamespace(long=8, streams=4, plain=8, timeout=10.0)
+    found = script.fault(replicas, "http://unused", NAME, args, {"101", "102"})
+    assert replicas.victims == [102]
+    assert (found["victim"], found["victim_seen_by"]) == ("102", seen_by)
+    assert (found["victim_held"], found["victim_streams"]) == (9, 1)
+    assert [r["pid"] for r in found["streams"]] == ["101", "101", "101", "102"]
+    assert found["streams"][3]["error"] == f"RuntimeError: {script.STOPPED}"
+    assert [r["retries"] for r in found["plain"]] == [1] * 8
 
 
 @pytest.mark.parametrize(
