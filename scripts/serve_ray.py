@@ -214,10 +214,10 @@ def fault(api: Any, base: str, name: str, args: argparse.Namespace, replicas: se
 
     kill: dict[str, Any] = {"victim": None, "killed_at": None}
 
-    def killed(pid: str, seen_by: str, held: int, streams: int) -> None:
+    def kill_victim(pid: str, seen_by: str, held: int, streams: int) -> None:
         os.kill(int(pid), signal.SIGKILL)
-        kill.update(victim=pid, killed_at=time.monotonic(), victim_seen_by=seen_by, victim_held=held)
-        kill.update(victim_streams=streams)
+        kill.update(victim=pid, killed_at=time.monotonic(), victim_seen_by=seen_by)
+        kill.update(victim_held=held, victim_streams=streams)
 
     def killer() -> None:
         deadline = time.monotonic() + args.timeout
@@ -228,18 +228,19 @@ def fault(api: Any, base: str, name: str, args: argparse.Namespace, replicas: se
             sent.set()  # (the unstreamed requests never wait for more than the streams)
         settled, cleared = time.monotonic() + SETTLE_S, set()
         while running and time.monotonic() < deadline:
-            still = [began[i] for i in list(running)]
+            before = [began[i] for i in list(running)]  # (each running stream's replica, before /metrics is read)
             if answer := replica_metrics(base):
                 pid, values = answer
                 held = int(values.get("kvsieve_running_requests", 0) + values.get("kvsieve_queue_depth", 0))
-                if held > still.count(pid) and any(began[i] == pid for i in list(running)):
-                    killed(pid, "metrics", held, still.count(pid))
+                streams, now = before.count(pid), [began[i] for i in list(running)]
+                if held > streams and pid in now:
+                    kill_victim(pid, "metrics", held, streams)
                     return
-                if time.monotonic() >= settled and held <= still.count(pid):
+                if time.monotonic() >= settled and held <= streams:
                     cleared.add(pid)
-                    now, left = [began[i] for i in list(running)], replicas - cleared
+                    left = replicas - cleared
                     if len(left) == 1 and pending and (victim := next(iter(left))) in now:
-                        killed(victim, "elimination", now.count(victim) + len(pending), now.count(victim))
+                        kill_victim(victim, "elimination", now.count(victim) + len(pending), now.count(victim))
                         return
             time.sleep(0.05)
 
