@@ -160,6 +160,37 @@ def _ruler_cost(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _ruler_floor(result: dict[str, Any]) -> str:
+    dtypes, grid = list(result["gflops"]), result["phases"]["grid"]
+    phases = {
+        "prompt": "the prompt pass (one per sample, its causal attention included)",
+        "question": "the question parts (each question-agnostic setting)",
+        "answers": "every setting's answer tokens after the first",
+    }
+    tokens = {"prompt": "prompt_tokens", "question": "question_tokens", "answers": "decode_tokens"}
+    rows = [
+        [name, f"{int(grid[tokens[p]]):,}", f"{grid[f'{p}_tflop']:,.1f}",
+         *(f"{grid[f'{p}_{d}_s'] / 3600:.2f}" for d in dtypes)]
+        for p, name in phases.items()
+    ]  # fmt: skip
+    hours = [sum(grid[f"{p}_{d}_s"] for p in phases) / 3600 for d in dtypes]
+    tflop = sum(grid[f"{p}_tflop"] for p in phases)
+    rows.append(
+        [f"**the grid ({int(grid['samples'])} samples)**", "", f"{tflop:,.1f}", *(f"**{h:.2f}**" for h in hours)]
+    )
+    speeds = "; ".join(
+        f"{d} {g['prompt']} GFLOP/s on {result['rows']['prompt']:,} rows, {g['answers']} on {result['rows']['answers']}"
+        for d, g in result["gflops"].items()
+    )
+    head = ["phase", "tokens", "TFLOP", *(f"{d} CPU-hours" for d in dtypes)]
+    return (
+        f"The {result['settings']} settings of `{result['run']}` ({result['model']}: "
+        f"{result['linear_weights']:,} weights in linear layers, {result['output_weights']:,} in the output layer) at "
+        f"the best speed of `torch.nn.functional.linear` on one core of this host ({speeds}):\n\n"
+        + md_table(head, rows)
+    )
+
+
 def _serve_soak(result: dict[str, Any]) -> str:
     req, t, rss, kv, down = (result[k] for k in ("requests", "throughput", "rss_mib", "kv_bytes", "shutdown"))
     prompts, latency, first = result["prompt_tokens"], result["latency_s"], result["first_chunk_s"]
@@ -255,6 +286,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
     program, command = result["provenance"]["command"][:2]
     if Path(program).name == "ruler_cost.py":
         return _ruler_cost
+    if Path(program).name == "ruler_floor.py":
+        return _ruler_floor
     if Path(program).name == "serve_soak.py":
         return _serve_soak
     if Path(program).name == "compiled_decode.py":

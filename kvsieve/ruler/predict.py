@@ -69,6 +69,12 @@ class Setting:
         """The kvsieve budget: the share of the compressed tokens kept (None: the full cache)."""
         return None if self.policy == "full" else round(1.0 - self.compression, 6)
 
+    @property
+    def compresses_context(self) -> bool:
+        """Whether the setting compresses the context part alone (``agnostic``, a bounded policy), then grows: its
+        question part is a forward pass of its own."""
+        return self.protocol == "agnostic" and self.policy != "full"
+
 
 FULL = Setting("aware", "full", 0.0)
 
@@ -116,7 +122,7 @@ def predict(
     device = model.device
     ids = torch.tensor([[*head, *tail]], device=device)
     start = time.perf_counter()
-    agnostic = _compresses_context(setting)
+    agnostic = setting.compresses_context
     cache = _cache(model, setting)
     with torch.inference_mode():
         if agnostic:
@@ -157,7 +163,7 @@ def predict_together(
     attention have a prompt pass of their own: :func:`predict` them."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
-    agnostic = [_compresses_context(s) for s in settings]
+    agnostic = [s.compresses_context for s in settings]
     caches = [_cache(model, s) for s in settings]
     eos = eos_ids(model, tokenizer)
     start = time.perf_counter()
@@ -203,14 +209,9 @@ def predict_together(
     return out
 
 
-def _compresses_context(setting: Setting) -> bool:
-    """Whether ``setting`` compresses the context part alone (``agnostic``, a bounded policy), then grows."""
-    return setting.protocol == "agnostic" and setting.policy != "full"
-
-
 def _cache(model: PreTrainedModel, setting: Setting) -> SieveCache:
     """The cache ``setting`` answers with (see the module docstring for the protocols)."""
-    growth = {"decode_budget": None} if _compresses_context(setting) else {}  # (agnostic: the answer never evicts)
+    growth = {"decode_budget": None} if setting.compresses_context else {}  # (agnostic: the answer never evicts)
     return make_cache(model, setting.policy, setting.budget, **growth)
 
 
@@ -232,7 +233,7 @@ def setting_groups(
     groups: list[list[Setting]] = []
     used = 0
     for setting in settings:
-        context = _compresses_context(setting)
+        context = setting.compresses_context
         fed, more = (len(head), len(tail) + max_new_tokens) if context else (len(head) + len(tail), max_new_tokens)
         need = reservation(model, _cache(model, setting), fed, more).peak
         if not groups or used + need > kv_memory:
