@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     model = model_of(args.run)
     source = args.model or model
-    source = ensure_model(source) if source in list_builtin_models() else source
+    source = str(ensure_model(source)) if source in list_builtin_models() else source
     samples = counts(args.run, Prompter(load_tokenizer(source)))
     config = AutoConfig.from_pretrained(source)
     body, head = weights(config)
