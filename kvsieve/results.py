@@ -183,11 +183,29 @@ def _ruler_floor(result: dict[str, Any]) -> str:
         for d, g in result["gflops"].items()
     )
     head = ["phase", "tokens", "TFLOP", *(f"{d} CPU-hours" for d in dtypes)]
-    return (
+    text = (
         f"The {result['settings']} settings of `{result['run']}` ({result['model']}: "
         f"{result['linear_weights']:,} weights in linear layers, {result['output_weights']:,} in the output layer) at "
         f"the best speed of `torch.nn.functional.linear` on one core of this host ({speeds}):\n\n"
         + md_table(head, rows)
+    )
+    timed = result.get("timed")
+    if not timed:
+        return text
+    task = result["phases"][timed["task"]]
+    n, both = task["samples"], [d for d in dtypes if d in timed["cpu_s"]]
+    cells = [[name, *(x for d in both for x in (f"{task[f'{p}_{d}_s'] / n:.1f}", f"{timed['cpu_s'][d][p]:.1f}"))]
+             for p, name in [("prompt", "the shared prompt pass"), ("question", "the question parts"),
+                             ("answers", "the answers")]]  # fmt: skip
+    alone = ", ".join(f"{timed['cpu_s'][d]['alone']:.1f} in {d}" for d in both)
+    counted = {"prompt": "prompt tokens", "question": "question tokens", "decode": "answer tokens"}
+    per = ", ".join(f"{task[f'{t}_tokens'] / n:,.0f} {what}" for t, what in counted.items())
+    return (
+        text + f"\nA `{timed['task']}` sample of {timed['tokens']:,} tokens timed under every setting together "
+        f"(`{timed['result']}`, {timed['threads']} threads: its seconds × {timed['threads']} in CPU seconds) beside "
+        f"the floor of the grid's {int(n)} `{timed['task']}` samples (per sample {per}); the full cache's prompt pass "
+        f"alone took {alone} CPU seconds:\n\n"
+        + md_table(["phase", *(f"{d} CPU-s {k}" for d in both for k in ("floor", "timed"))], cells)
     )
 
 

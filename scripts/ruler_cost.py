@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+TASK = "niah_single_2"
+"""The task whose first sample (seed 0) is timed."""
+
 
 def measure(
     model_name: str, length: int, dtype: str, policies: list[str], compression: float, grid: bool = False
@@ -39,7 +42,7 @@ def measure(
 
     model, tokenizer = kvsieve.load_model(model_name, dtype=dtype)
     prompter = Prompter(tokenizer)
-    (sample,) = generate_samples("niah_single_2", length, 1, prompter, run.sources(with_reading=False), seed=0)
+    (sample,) = generate_samples(TASK, length, 1, prompter, run.sources(with_reading=False), seed=0)
     head, tail = prompter.ids(sample.context, sample.question, sample.answer_prefix)
     rows = []
     for policy in policies:

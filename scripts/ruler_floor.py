@@ -11,8 +11,10 @@ decode step); the prompt pass's causal attention is counted exactly, the attenti
 (over caches of 10 to 100 % of the prompt) not at all. Those FLOPs divided by the rate ``torch.nn.functional.linear``
 reaches on one core of this host (the best of a few rounds, at the model's own shapes: a prompt's rows for the prompt
 and question passes, a decode batch's for the answers) is a floor that no way of answering the grid with these
-FLOPs beats, whatever its bookkeeping. Prints the counts and the floor per dtype; ``--out`` writes JSON with its
-:func:`~kvsieve.provenance.provenance` (:mod:`kvsieve.results` renders it on the long-context page).
+FLOPs beats, whatever its bookkeeping. ``--timed`` sets beside the floor of the grid's samples of one task the
+phases of a sample of that task timed by ``scripts/ruler_cost.py --grid`` (its CPU seconds: seconds × threads).
+Prints the floor per dtype; ``--out`` writes JSON with its :func:`~kvsieve.provenance.provenance`
+(:mod:`kvsieve.results` renders it on the long-context page).
 """
 
 from __future__ import annotations
@@ -139,13 +141,38 @@ def tally(samples: list[dict], body: int, head: int, config: PretrainedConfig, r
     return {key: {k: round(v, 3) for k, v in by.items()} for key, by in sums.items()}
 
 
+def timings(path: Path) -> dict:
+    """The CPU seconds by phase of the sample a ``scripts/ruler_cost.py --grid`` result timed, per dtype: the shared
+    prompt pass, the question parts, the answers, and the full cache's prompt pass alone."""
+    from ruler_cost import TASK
+
+    cost = json.loads(path.read_text())
+    threads = cost["provenance"]["threads"]
+    by_dtype = {}
+    for r in cost["results"]:
+        if "grid" not in r:
+            raise ValueError(f"{path}: a ruler_cost.py result without --grid has no phases to set beside the floor")
+        full = next(row for row in r["rows"] if row["policy"] == "full")
+        g = r["grid"]
+        by_dtype[r["dtype"]] = {
+            "prompt": g["prefill_s"] * threads,
+            "question": g["question_s"] * threads,
+            "answers": g["answers_s"] * threads,
+            "alone": full["first_token_s"] * threads,
+        }
+    return {"result": str(path), "task": TASK, "threads": threads, "tokens": cost["results"][0]["length"],
+            "cpu_s": by_dtype}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a kvsieve ruler output directory")
     parser.add_argument("--model", help="its model, a built-in name or a directory (default: the cells' model)")
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--timed", type=Path, help="a scripts/ruler_cost.py --grid result to set beside the floor")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    timed = None if args.timed is None else timings(args.timed)
     from kvsieve.models import ensure_model, list_builtin_models, load_tokenizer
 
     torch.set_num_threads(1)
@@ -182,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
             "gflops": {d: {p: round(r[p] / 1e9, 1) for p in ("prompt", "answers")} for d, r in rates.items()},
             "rows": rows,
             "phases": phases,
+            **({"timed": timed} if timed else {}),
             "provenance": provenance(command, model=model, threads=1),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,10 +40,10 @@ def test_a_grid_is_counted_from_its_cells_and_rendered(tiny_lm, tiny_dir, tmp_pa
     grid = GridSettings(model=tiny_dir, dtype="float32", seed=0, haystack="wikipedia")
     run = tmp_path / "run"
     got = lambda: sources(with_reading=False)  # noqa: E731
-    run_ruler(model, tokenizer, run, got, grid, ["niah_single_1", "vt"], [256], settings, 2, progress=False)
+    run_ruler(model, tokenizer, run, got, grid, ["niah_single_2", "vt"], [256], settings, 2, progress=False)
 
     samples = {tuple(s["sample"]): s for s in script.counts(run, Prompter(tokenizer))}
-    assert sorted(samples) == [("niah_single_1", 256, 0), ("niah_single_1", 256, 1), ("vt", 256, 0), ("vt", 256, 1)]
+    assert sorted(samples) == [("niah_single_2", 256, 0), ("niah_single_2", 256, 1), ("vt", 256, 0), ("vt", 256, 1)]
     stored = {}
     for path in (run / "samples").glob("*.jsonl"):
         for line in path.read_text().splitlines():
@@ -60,8 +60,13 @@ def test_a_grid_is_counted_from_its_cells_and_rendered(tiny_lm, tiny_dir, tmp_pa
         assert 0 < s["question"] < s["prompt"] // 2
         assert s["decode"] == decoded[key]
 
+    cost = tmp_path / "cost.json"  # (a scripts/ruler_cost.py --grid result, two threads)
+    rows = [{"policy": "full", "first_token_s": 3.0}, {"policy": "h2o", "first_token_s": 4.0}]
+    grid = {"prefill_s": 5.0, "question_s": 1.5, "answers_s": 7.25}
+    cost.write_text(json.dumps({"results": [{"length": 250, "dtype": "float32", "rows": rows, "grid": grid}],
+                                "provenance": {"threads": 2}}))  # fmt: skip
     out = tmp_path / "floor.json"
-    script.main([str(run), "--dtypes", "float32", "--out", str(out)])
+    script.main([str(run), "--dtypes", "float32", "--timed", str(cost), "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["model"] == tiny_dir and report["rows"]["answers"] == 3
     grid_sums = report["phases"]["grid"]
@@ -74,6 +79,11 @@ def test_a_grid_is_counted_from_its_cells_and_rendered(tiny_lm, tiny_dir, tmp_pa
     assert "| **the grid (4 samples)** |  | " in page and f"**{hours:.2f}** |" in page
     assert f"| {sum(stored.values()):,} |" in page and "scripts/ruler_floor.py" in page
     assert "at least" in capsys.readouterr().out
+    task = report["phases"]["niah_single_2"]
+    assert report["timed"]["cpu_s"]["float32"] == {"prompt": 10.0, "question": 3.0, "answers": 14.5, "alone": 6.0}
+    floor = f"{task['answers_float32_s'] / 2:.1f}"
+    assert f"| the answers | {floor} | 14.5 |" in page and "alone took 6.0 in float32 CPU seconds" in page
+    assert "A `niah_single_2` sample of 250 tokens" in page and "the grid's 2 `niah_single_2` samples" in page
 
 
 def test_cells_of_two_models_are_refused(tmp_path) -> None:
