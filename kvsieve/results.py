@@ -157,6 +157,16 @@ def _ruler_cost(result: dict[str, Any]) -> str:
                 )
                 + ".\n"
             )
+            if "decode_steps" in g:
+                steps = g["decode_steps"]
+                rows = [[s["rows"], s["steps"], f"{s['seconds']:.1f}", f"{s['plain_s']:.1f}"] for s in steps]
+                n = sum(s["steps"] for s in steps)
+                parts.append(
+                    f"\n{g['prompt_passes']} prompt pass(es); the answers' {n} decode steps by the rows still decoding,"
+                    " beside as many steps of the model with transformers' own cache "
+                    "(64 tokens, no eviction) at as many rows:\n\n"
+                    + md_table(["rows", "steps", "seconds", "transformers' cache s"], rows)
+                )
     return "\n".join(parts)
 
 

@@ -13,9 +13,11 @@ policy's observation and eviction (the full cache: none) plus the question part'
 compressions, both protocols, and the full cache) together, as ``kvsieve ruler`` does
 (:func:`~kvsieve.ruler.predict.answer`): the shared prompt pass, the question parts of the agnostic settings (one
 batch), the answers (one batch), against the policies timed alone above (their mean time per setting × the grid's
-settings). ``peak_rss_gib`` is the process's peak resident memory (model included). Prints a table and writes JSON
-with its :func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it on the long-context
-page).
+settings), with each of its forward passes recorded: the prompt passes, and the answers' decode steps by the rows
+still decoding, each set of steps beside as many steps of the model with transformers' own cache at as many rows
+(a short cache, no eviction). ``peak_rss_gib`` is the process's peak resident memory (model included). Prints a
+table and writes JSON with its :func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it
+on the long-context page).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ import json
 import resource
 import subprocess
 import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -74,7 +80,13 @@ def measure_grid(model, tokenizer, sample, prompt, alone: list[dict], compressio
     head, tail = prompt
     settings = run.grid_settings(run.default_policies(), run.DEFAULT_COMPRESSIONS, ["agnostic", "aware"])
     predict.predict_together(model, tokenizer, head[:256], tail, settings, 2)  # (warm-up)
-    answers = dict(predict.answer(model, tokenizer, sample, prompt, settings))
+    with forward_passes(model) as passes:
+        answers = dict(predict.answer(model, tokenizer, sample, prompt, settings))
+    steps = Counter(rows for rows, tokens, _ in passes if tokens == 1)
+    spent = Counter()
+    for rows, tokens, seconds in passes:
+        spent[rows] += seconds if tokens == 1 else 0.0
+    plain = {rows: plain_step(model, rows) for rows in steps}
     first = {s.protocol: a["first_token_s"] for s, a in answers.items() if s.policy != "full"}
     total = max(a["total_s"] for a in answers.values())
     per_setting = sum(r["first_token_s"] + r["answer_s"] for r in alone) / len(alone)
@@ -94,7 +106,47 @@ def measure_grid(model, tokenizer, sample, prompt, alone: list[dict], compressio
         "speedup": round(per_setting * len(settings) / total, 1),
         "correct": sum(a["score"] == 1.0 for a in answers.values()),
         "same_as_alone": f"{sum(same)} of {len(same)}",
+        "prompt_passes": sum(1 for rows, tokens, _ in passes if rows == 1 and tokens > 1),
+        "decode_steps": [
+            {"rows": rows, "steps": n, "seconds": round(spent[rows], 2), "plain_s": round(n * plain[rows], 2)}
+            for rows, n in sorted(steps.items())
+        ],
     }
+
+
+@contextmanager
+def forward_passes(model) -> Iterator[list[tuple[int, int, float]]]:
+    """Records each forward pass of ``model`` while open: its rows, its tokens per row, its seconds."""
+    passes, started = [], []
+    pre = model.register_forward_pre_hook(lambda _m, _a, _k: started.append(time.perf_counter()), with_kwargs=True)
+
+    def done(_m, _a, kwargs, _out) -> None:
+        rows, tokens = kwargs["input_ids"].shape
+        passes.append((rows, tokens, time.perf_counter() - started.pop()))
+
+    post = model.register_forward_hook(done, with_kwargs=True)
+    try:
+        yield passes
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def plain_step(model, rows: int, rounds: int = 3) -> float:
+    """Seconds of one decode step of ``rows`` rows with transformers' own cache over a 64-token prompt (no eviction,
+    a short cache: the step's cost beside its attention), the fastest of ``rounds``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = torch.ones((rows, 64), dtype=torch.long, device=model.device)
+    best = float("inf")
+    with torch.inference_mode():
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            model(input_ids=ids[:, :1], cache=cache, use_cache=True)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
