@@ -199,6 +199,15 @@ def _ruler_floor(result: dict[str, Any]) -> str:
         f"the best speed of `torch.nn.functional.linear` on one core of this host ({speeds}):\n\n"
         + md_table(head, rows)
     )
+    by_rows = {int(rows): n for rows, n in result.get("steps_by_rows", {}).items()}
+    if by_rows:
+        top = max(by_rows)
+        bands = [(lo, min(hi, top)) for lo, hi in ((1, 8), (9, 32), (33, 64), (65, top)) if lo <= top]
+        cells = [[f"{lo} to {hi}", f"{sum(n for r, n in by_rows.items() if lo <= r <= hi):,}"] for lo, hi in bands]
+        text += (
+            f"\nThe answers' {sum(by_rows.values()):,} decode steps (one per sample and answer token after the first) "
+            "by the rows they decode:\n\n" + md_table(["rows", "decode steps"], cells)
+        )
     timed = result.get("timed")
     if not timed:
         return text

@@ -13,6 +13,8 @@ reaches on one core of this host (the best of a few rounds, at the model's own s
 and question passes, a decode batch's for the answers) is a floor that no way of answering the grid with these
 FLOPs beats, whatever its bookkeeping. ``--timed`` sets beside the floor of the grid's samples of one task the
 phases of a sample of that task timed by ``scripts/ruler_cost.py --grid`` (its CPU seconds: seconds × threads).
+The result also counts the grid's decode steps by their rows (one step per sample and answer token after the first:
+the rows are the settings whose answer goes on), for the share of steps that carry few rows.
 Prints the floor per dtype; ``--out`` writes JSON with its :func:`~kvsieve.provenance.provenance`
 (:mod:`kvsieve.results` renders it on the long-context page).
 """
@@ -23,7 +25,7 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -56,8 +58,8 @@ def model_of(run: Path) -> str:
 
 def counts(run: Path, prompter: Prompter) -> list[dict]:
     """The grid's forward passes from a run directory, per sample: the prompt's tokens, the question parts' (and
-    their rows: one per question-agnostic setting), and the decode steps (every setting's answer tokens after the
-    first)."""
+    their rows: one per question-agnostic setting), the decode tokens (every setting's answer tokens after the
+    first) and the rows of each decode step (the settings whose answer goes on)."""
     answered: dict[tuple[str, int, int], dict[Setting, int]] = defaultdict(dict)  # (task, length, index) → n
     for cell in sorted((run / "cells").glob("*.json")):
         data = json.loads(cell.read_text())
@@ -84,6 +86,7 @@ def counts(run: Path, prompter: Prompter) -> list[dict]:
                 "question": tail * agnostic,
                 "question_rows": agnostic,
                 "decode": sum(max(n - 1, 0) for n in settings.values()),
+                "steps": [sum(n - 1 >= step for n in settings.values()) for step in range(1, max(settings.values()))],
             }
         )
     return samples
@@ -209,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             "gflops": {d: {p: round(r[p] / 1e9, 1) for p in ("prompt", "answers")} for d, r in rates.items()},
             "rows": rows,
             "phases": phases,
+            "steps_by_rows": dict(sorted(Counter(rows for s in samples for rows in s["steps"]).items())),
             **({"timed": timed} if timed else {}),
             "provenance": provenance(command, model=model, threads=1),
         }

@@ -49,16 +49,20 @@ def test_a_grid_is_counted_from_its_cells_and_rendered(tiny_lm, tiny_dir, tmp_pa
         for line in path.read_text().splitlines():
             r = json.loads(line)
             stored[(r["task"], r["length"], r["index"])] = r["tokens"]
-    decoded = dict.fromkeys(samples, 0)
+    decoded, answered = dict.fromkeys(samples, 0), {key: [] for key in samples}
     for path in (run / "cells").glob("*.json"):
         cell = json.loads(path.read_text())
         for index, p in cell["predictions"].items():
             decoded[(cell["settings"]["task"], 256, int(index))] += p["answer_tokens"] - 1
+            answered[(cell["settings"]["task"], 256, int(index))].append(p["answer_tokens"])
     for key, s in samples.items():
         assert s["settings"] == 3 and s["question_rows"] == 1  # (the full cache, and h2o under each protocol)
         assert s["prompt"] == stored[key]  # (the tokens the generator counted)
         assert 0 < s["question"] < s["prompt"] // 2
-        assert s["decode"] == decoded[key]
+        assert s["decode"] == decoded[key] == sum(s["steps"])
+        longest = max(answered[key])
+        assert len(s["steps"]) == longest - 1  # (a step per answer token after the first, for the longest answer)
+        assert s["steps"] == [sum(n > step for n in answered[key]) for step in range(1, longest)]
 
     cost = tmp_path / "cost.json"  # (a scripts/ruler_cost.py --grid result, two threads)
     rows = [{"policy": "full", "first_token_s": 3.0}, {"policy": "h2o", "first_token_s": 4.0}]
@@ -79,6 +83,9 @@ def test_a_grid_is_counted_from_its_cells_and_rendered(tiny_lm, tiny_dir, tmp_pa
     assert "| **the grid (4 samples)** |  | " in page and f"**{hours:.2f}** |" in page
     assert f"| {sum(stored.values()):,} |" in page and "scripts/ruler_floor.py" in page
     assert "at least" in capsys.readouterr().out
+    steps = sum(len(s["steps"]) for s in samples.values())
+    assert sum(report["steps_by_rows"].values()) == steps and f"The answers' {steps:,} decode steps" in page
+    assert f"| 1 to 3 | {steps:,} |" in page  # (three settings: every step decodes 1 to 3 rows)
     task = report["phases"]["niah_single_2"]
     assert report["timed"]["cpu_s"]["float32"] == {"prompt": 10.0, "question": 3.0, "answers": 14.5, "alone": 6.0}
     floor = f"{task['answers_float32_s'] / 2:.1f}"
