@@ -9,14 +9,13 @@ decode step per answer token after the first, for every setting. Each token cost
 model's linear layers (the output layer's only where a token's logits are computed: the last token of a pass, every
 decode step); the prompt pass's causal attention is counted exactly, the attention of the question parts and answers
 (over caches of 10 to 100 % of the prompt) not at all. Those FLOPs divided by the rate ``torch.nn.functional.linear``
-reaches on one core of this host (the best of a few rounds, at the model's own shapes: a prompt's rows for the prompt
-and question passes, a decode batch's for the answers) is a floor that no way of answering the grid with these
-FLOPs beats, whatever its bookkeeping. ``--timed`` sets beside the floor of the grid's samples of one task the
-phases of a sample of that task timed by ``scripts/ruler_cost.py --grid`` (its CPU seconds: seconds × threads).
-The result also counts the grid's decode steps by their rows (one step per sample and answer token after the first:
-the rows are the settings whose answer goes on), for the share of steps that carry few rows.
-Prints the floor per dtype; ``--out`` writes JSON with its :func:`~kvsieve.provenance.provenance`
-(:mod:`kvsieve.results` renders it on the long-context page).
+reaches on one core of this host (each layer's fastest of ten rounds, at the model's own shapes: a prompt's rows
+for the prompt and question passes, a decode batch's for the answers) is a floor that no way of answering the grid
+with these FLOPs beats, whatever its bookkeeping. ``--timed`` sets beside the floor of the grid's samples of one
+task the phases of a sample of that task timed by ``scripts/ruler_cost.py --grid`` (its CPU seconds: seconds ×
+threads). The result also counts the grid's decode steps by their rows (one step per sample and answer token after
+the first; its rows are the settings whose answer goes on). Prints the floor per dtype; ``--out`` writes JSON with
+its :func:`~kvsieve.provenance.provenance` (:mod:`kvsieve.results` renders it on the long-context page).
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from kvsieve.ruler.predict import Setting
 from kvsieve.ruler.tasks import Prompter
 
-ROUNDS = 5
-"""Timed rounds per shape; the fastest counts."""
+ROUNDS = 10
+"""Timed rounds per layer shape; the fastest counts."""
 
 
 def weights(config: PretrainedConfig) -> tuple[int, int]:
@@ -103,21 +102,22 @@ def flops(sample: dict, body: int, head: int, config: PretrainedConfig) -> dict[
 
 
 def rate(rows: int, shapes: list[tuple[int, int]], dtype: torch.dtype) -> float:
-    """FLOP/s of ``torch.nn.functional.linear`` on ``rows`` rows through the layers of ``shapes`` (in, out): the
-    fastest of :data:`ROUNDS` rounds."""
+    """FLOP/s of ``torch.nn.functional.linear`` on ``rows`` rows through the layers of ``shapes`` (in, out), each
+    layer at the fastest of :data:`ROUNDS` rounds."""
     xs = {k: torch.randn(rows, k, dtype=dtype) for k in {k for k, _ in shapes}}
     ws = [torch.randn(n, k, dtype=dtype) / k**0.5 for k, n in shapes]
     work = sum(2 * rows * k * n for k, n in shapes)
-    best = float("inf")
+    seconds = 0.0
     with torch.inference_mode():
         for w in ws:
             torch.nn.functional.linear(xs[w.shape[1]], w)  # (warm-up)
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            for w in ws:
+            best = float("inf")
+            for _ in range(ROUNDS):
+                start = time.perf_counter()
                 torch.nn.functional.linear(xs[w.shape[1]], w)
-            best = min(best, time.perf_counter() - start)
-    return work / best
+                best = min(best, time.perf_counter() - start)
+            seconds += best
+    return work / seconds
 
 
 def layer_shapes(config: PretrainedConfig) -> list[tuple[int, int]]:
