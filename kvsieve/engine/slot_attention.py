@@ -163,6 +163,14 @@ def _blocks(
             yield _Block(start, end, q_blk, qp, keys[:, :, :cols], values[:, :, :cols], key_pos[:, :, :cols])
 
 
+def _folds_on(query: torch.Tensor) -> bool:
+    """Whether a single-query step folds the query heads of a group into the query axis even when it needs no
+    mask: on the CPU in bf16 and fp16, where torch's kernel attends one query row per head 6 to 10 times slower
+    than a group's rows per KV head (``scripts/ruler_cost.py``'s decode steps; in fp32 the per-head call, about
+    half as fast there, is kept: the published fp32 grids were answered with it)."""
+    return query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+
 def fused_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -180,7 +188,7 @@ def fused_attention(
     group = n_q_heads // n_kv_heads
     if q_len == 1:
         allowed = visible(key_pos, query_pos, args.window, seen)
-        if allowed is None:  # (per query head: the kernel splits its work over more heads than over KV heads)
+        if allowed is None and not _folds_on(query):  # (per query head: more work items than per KV head)
             return F.scaled_dot_product_attention(query, keys, values, scale=args.scaling, enable_gqa=group > 1)
         # Fold the group's query heads into the query axis: the per-KV-head mask then broadcasts.
         q_fold = query.reshape(bsz, n_kv_heads, group, head_dim)
