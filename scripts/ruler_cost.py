@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -82,10 +82,11 @@ def measure_grid(model, tokenizer, sample, prompt, alone: list[dict], compressio
     predict.predict_together(model, tokenizer, head[:256], tail, settings, 2)  # (warm-up)
     with forward_passes(model) as passes:
         answers = dict(predict.answer(model, tokenizer, sample, prompt, settings))
-    steps = Counter(rows for rows, tokens, _ in passes if tokens == 1)
-    spent = Counter()
+    steps, spent = Counter(), Counter()  # (rows → decode steps, their seconds)
     for rows, tokens, seconds in passes:
-        spent[rows] += seconds if tokens == 1 else 0.0
+        if tokens == 1:
+            steps[rows] += 1
+            spent[rows] += seconds
     plain = {rows: plain_step(model, rows) for rows in steps}
     first = {s.protocol: a["first_token_s"] for s, a in answers.items() if s.policy != "full"}
     total = max(a["total_s"] for a in answers.values())
@@ -139,13 +140,18 @@ def plain_step(model, rows: int, rounds: int = 3) -> float:
 
     cache = DynamicCache(config=model.config)
     ids = torch.ones((rows, 64), dtype=torch.long, device=model.device)
-    best = float("inf")
     with torch.inference_mode():
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        for _ in range(rounds):
-            start = time.perf_counter()
-            model(input_ids=ids[:, :1], cache=cache, use_cache=True)
-            best = min(best, time.perf_counter() - start)
+        return fastest(lambda: model(input_ids=ids[:, :1], cache=cache, use_cache=True), rounds)
+
+
+def fastest(call: Callable[[], object], rounds: int) -> float:
+    """Seconds of the fastest of ``rounds`` calls of ``call``."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
     return best
 
 

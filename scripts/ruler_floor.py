@@ -23,15 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
+from ruler_cost import TASK, fastest  # (the sibling script: a script's directory is on its path)
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from kvsieve.ruler.predict import Setting
-from kvsieve.ruler.tasks import Prompter
+from kvsieve.ruler.tasks import Prompter, load_samples
 
 ROUNDS = 10
 """Timed rounds per layer shape; the fastest counts."""
@@ -68,15 +68,15 @@ def counts(run: Path, prompter: Prompter) -> list[dict]:
             answered[(s["task"], s["length"], int(index))][key] = prediction["answer_tokens"]
     prompts = {}
     for path in sorted((run / "samples").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if (r["task"], r["length"], r["index"]) in answered:
-                head, tail = prompter.ids(r["context"], r["question"], r["answer_prefix"])
-                prompts[(r["task"], r["length"], r["index"])] = (len(head), len(tail))
+        for sample in load_samples(path):
+            if (key := (sample.task, sample.length, sample.index)) in answered:
+                head, tail = prompter.ids(sample.context, sample.question, sample.answer_prefix)
+                prompts[key] = (len(head), len(tail))
     samples = []
     for key, settings in sorted(answered.items()):
         head, tail = prompts[key]
         agnostic = sum(setting.compresses_context for setting in settings)
+        steps = [sum(n - 1 >= step for n in settings.values()) for step in range(1, max(settings.values()))]
         samples.append(
             {
                 "sample": list(key),
@@ -84,8 +84,8 @@ def counts(run: Path, prompter: Prompter) -> list[dict]:
                 "prompt": head + tail,
                 "question": tail * agnostic,
                 "question_rows": agnostic,
-                "decode": sum(max(n - 1, 0) for n in settings.values()),
-                "steps": [sum(n - 1 >= step for n in settings.values()) for step in range(1, max(settings.values()))],
+                "decode": sum(steps),  # (each step decodes one token of each of its rows)
+                "steps": steps,
             }
         )
     return samples
@@ -111,12 +111,7 @@ def rate(rows: int, shapes: list[tuple[int, int]], dtype: torch.dtype) -> float:
     with torch.inference_mode():
         for w in ws:
             torch.nn.functional.linear(xs[w.shape[1]], w)  # (warm-up)
-            best = float("inf")
-            for _ in range(ROUNDS):
-                start = time.perf_counter()
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-                best = min(best, time.perf_counter() - start)
-            seconds += best
+            seconds += fastest(lambda w=w: torch.nn.functional.linear(xs[w.shape[1]], w), ROUNDS)
     return work / seconds
 
 
@@ -147,8 +142,6 @@ def tally(samples: list[dict], body: int, head: int, config: PretrainedConfig, r
 def timings(path: Path) -> dict:
     """The CPU seconds by phase of the sample a ``scripts/ruler_cost.py --grid`` result timed, per dtype: the shared
     prompt pass, the question parts, the answers, and the full cache's prompt pass alone."""
-    from ruler_cost import TASK
-
     cost = json.loads(path.read_text())
     threads = cost["provenance"]["threads"]
     by_dtype = {}
@@ -212,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             "gflops": {d: {p: round(r[p] / 1e9, 1) for p in ("prompt", "answers")} for d, r in rates.items()},
             "rows": rows,
             "phases": phases,
-            "steps_by_rows": dict(sorted(Counter(rows for s in samples for rows in s["steps"]).items())),
+            "steps_by_rows": dict(sorted(Counter(n for s in samples for n in s["steps"]).items())),
             **({"timed": timed} if timed else {}),
             "provenance": provenance(command, model=model, threads=1),
         }
