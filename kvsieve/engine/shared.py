@@ -9,18 +9,20 @@
   observes and the fused kernel over the rows none does, as a layer alone computes it: a cache alone computes the
   rows its policy skips with the fused kernel, so outputs and scores agree with running each cache alone up to the
   rounding of the two kernels (the tests check that the kept tokens and the answers are the same).
-- :class:`StackedRows`: one batch whose rows are held by several caches (cache ``i`` holds the next ``B_i`` rows):
-  the model's layers run on the whole batch, and each cache attends, observes and evicts its own rows under its
-  own policy. Rows are removed with ``batch_select_indices``; a cache left without rows leaves the batch.
+- :class:`StackedRows`: one batch whose rows are held by several caches (cache ``i`` holds the next ``B_i`` rows),
+  each row at its own position (caches of different prompts stack): the model's layers run on the whole batch, and
+  each cache attends, observes and evicts its own rows under its own policy. Rows are removed with
+  ``batch_select_indices``; a cache left without rows leaves the batch.
 
 Both serve one forward pass each and refuse what they do not implement: padding, ``output_attentions`` and
-policies that narrow attention (their prompt's outputs are their own) in a shared prompt; caches at different
-positions in a stack.
+policies that narrow attention (their prompt's outputs are their own) in a shared prompt; in a stack, a step whose
+position ids are not each row's next position (:meth:`StackedRows.position_ids`; they may be left out where every
+row is at the same one) and a padding mask over caches that have seen different numbers of tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import pairwise
 from typing import Any
@@ -215,13 +217,18 @@ class SharedPrompt(Cache):
 
 
 class _StackedLayer(_Together):
-    def __init__(self, subs: list[SieveLayer], spans: list[slice]) -> None:
+    def __init__(
+        self, subs: list[SieveLayer], spans: list[slice], check: Callable[[int, Any], None] | None = None
+    ) -> None:
         super().__init__(subs)
         self.spans = spans
+        self.check = check  # (the first layer checks the step's position ids, which every layer gets alike)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.check is not None:  # (the model hands update its attention keywords as ``kwargs``)
+            self.check(key_states.shape[-2], (kwargs.get("kwargs") or {}).get("position_ids"))
         for sub, span in zip(self.subs, self.spans, strict=True):
             sub.update(key_states[span], value_states[span])
         hand_over(self, key_states)
@@ -236,6 +243,9 @@ class _StackedLayer(_Together):
     def attend(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: SieveMask, args: AttentionArgs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if mask.padding is not None and len({sub.tokens_seen for sub in self.subs}) > 1:
+            self.discard_step()
+            raise ValueError("a padding mask cannot cover stacked caches that have seen different numbers of tokens")
         outs, weights = [], []
         for sub, span in zip(self.subs, self.spans, strict=True):
             padding = None if mask.padding is None else mask.padding[span]
@@ -248,17 +258,14 @@ class _StackedLayer(_Together):
 
 
 class StackedRows(Cache):
-    """One batch whose rows are held by several kvsieve caches, in order (see the module docstring). The caches
-    hold tokens and have seen as many (the model derives the step's positions from one count); feed the batch as
-    the rows of the caches one after the other."""
+    """One batch whose rows are held by several kvsieve caches, in order (see the module docstring): feed it the
+    rows of the caches one after the other. The caches hold tokens; where their rows are at different positions
+    (caches of different prompts), each step takes ``position_ids=stack.position_ids(q)``."""
 
     def __init__(self, caches: Sequence[SieveCache]) -> None:
         _layers_of(caches)
-        seen = {cache.get_seq_length() for cache in caches}
-        if 0 in seen or len(seen) > 1:
-            raise ValueError(
-                f"stacked caches hold tokens and have seen as many (their positions are shared), got {sorted(seen)}"
-            )
+        if any(not cache.get_seq_length() for cache in caches):
+            raise ValueError("stacked caches hold tokens: run each one's prompt first")
         self.caches = list(caches)
         self.rows = [cache.layers[0].store.positions.shape[0] for cache in caches]
         super().__init__(layers=self._stack())
@@ -266,7 +273,29 @@ class StackedRows(Cache):
     def _stack(self) -> list[_StackedLayer]:
         bounds = torch.tensor([0, *self.rows]).cumsum(0).tolist()
         spans = [slice(lo, hi) for lo, hi in pairwise(bounds)]
-        return [_StackedLayer(subs, spans) for subs in _layers_of(self.caches)]
+        layers = _layers_of(self.caches)
+        return [_StackedLayer(subs, spans, self._check if i == 0 else None) for i, subs in enumerate(layers)]
+
+    def position_ids(self, q: int = 1) -> torch.Tensor:
+        """``[B, q]``: the positions of each row's next ``q`` tokens (its newest position + 1, …)."""
+        newest = torch.cat([cache.layers[0].newest for cache in self.caches])
+        return newest[:, None] + 1 + torch.arange(q, device=newest.device)
+
+    def _check(self, q: int, given: torch.Tensor | None) -> None:
+        """Refuse a step of ``q`` tokens whose position ids are not each row's next positions (None, the model
+        handing none to the cache: unless every row is at the same one); nothing is stored before."""
+        want = self.position_ids(q)
+        if given is None:
+            ok = not bool((want != want[:1]).any())
+        else:
+            given = given.to(want.device)
+            ok = given.shape[-1] == q and given.shape[0] in (1, len(want)) and torch.equal(given.expand_as(want), want)
+        if not ok:
+            got = "none (the model hands the cache no position ids)" if given is None else given.tolist()
+            raise ValueError(
+                "the position ids of a step over stacked rows at different positions must be each row's next ones: "
+                f"pass position_ids=stack.position_ids({q}); got {got}"
+            )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` (ascending): each cache keeps its own, and a cache left without rows leaves."""

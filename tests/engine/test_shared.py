@@ -132,11 +132,61 @@ def test_what_a_shared_prompt_refuses(tiny_models, make_ids) -> None:
             for cache in (plain, other):
                 model(ids, cache=cache)
                 assert cache.get_seq_length() == 12
-    short, long = kvsieve.make_cache(model, "h2o", 4), kvsieve.make_cache(model, "h2o", 4)
-    with torch.inference_mode():
-        model(ids[:, :5], cache=short)
-        model(ids, cache=long)
-    with pytest.raises(ValueError, match="seen as many"):
-        StackedRows([short, long])
-    with pytest.raises(ValueError, match="seen as many"):
+    with pytest.raises(ValueError, match="hold tokens"):
         StackedRows([kvsieve.make_cache(model, "h2o", 4)])
+
+
+@pytest.mark.parametrize("model_name", ["llama_gqa", "gemma3"])
+def test_stacked_rows_of_different_prompts_decode_as_alone(tiny_models, make_ids, model_name) -> None:
+    """Caches of prompts of different lengths stack, each row at its own position (the step passes
+    ``position_ids``); a cache joins a stack between steps; steps without the right position ids are refused with
+    nothing stored."""
+    model = tiny_models(model_name, torch.float64)
+    settings = [("h2o", 6, {}), ("snapkv", 0.5, {"decode_budget": None}), ("full", None, {}), ("tova", 5, {})]
+    lengths, steps = (17, 9, 23, 12), 6
+    feeds = make_ids(len(settings), steps, seed=7)
+
+    def prefilled() -> list:
+        caches = [kvsieve.make_cache(model, policy, budget, **kw) for policy, budget, kw in settings]
+        for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+            model(make_ids(1, n, seed=10 + i), cache=cache)
+        return caches
+
+    with torch.inference_mode():
+        caches, alone = prefilled(), prefilled()
+        want = [
+            torch.cat([model(feeds[i : i + 1, t : t + 1], cache=c).logits for t in range(steps)])
+            for i, c in enumerate(alone)
+        ]
+        stack = StackedRows(caches[:3])
+        seen = [c.get_seq_length() for c in caches]
+        with pytest.raises(ValueError, match=r"pass position_ids=stack.position_ids\(1\); got \[\[17\]\]"):
+            model(feeds[:3, :1], cache=stack)
+        with pytest.raises(ValueError, match="each row's next ones"):
+            model(feeds[:3, :1], position_ids=stack.position_ids() + 1, cache=stack)
+        assert [c.get_seq_length() for c in caches] == seen  # (nothing stored)
+        rows, got = [0, 1, 2], {i: [] for i in range(len(settings))}
+        done = dict.fromkeys(range(len(settings)), 0)
+        for t in range(steps + 2):
+            if t == 2:  # the last cache joins; then the second leaves
+                stack, rows = StackedRows([*stack.caches, caches[3]]), [*rows, 3]
+            ids = torch.stack([feeds[i, done[i]] for i in rows])[:, None]
+            assert stack.position_ids().flatten().tolist() == [lengths[i] + done[i] for i in rows]
+            logits = model(ids, position_ids=stack.position_ids(), cache=stack).logits
+            for r, i in enumerate(rows):
+                got[i].append(logits[r])
+                done[i] += 1
+            if t == 3:
+                stack.batch_select_indices(torch.tensor([0, 2, 3]))
+                rows.remove(1)
+            rows_done = [i for i in rows if done[i] == steps]
+            if rows_done:
+                keep = [r for r, i in enumerate(rows) if i not in rows_done]
+                if not keep:
+                    break
+                stack.batch_select_indices(torch.tensor(keep))
+                rows = [rows[r] for r in keep]
+    for i, rows_got in got.items():
+        n = len(rows_got)
+        assert n >= 4, i
+        torch.testing.assert_close(torch.cat(rows_got), want[i][:n].squeeze(1), rtol=1e-9, atol=1e-9, msg=str(i))
