@@ -352,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-memory-gb",
         type=POSITIVE,
-        help="GiB the caches of a sample's settings answered with one prompt pass may hold (default: half the free "
-        "memory); more settings than fit take more passes",
+        help="GiB the caches of the answers decoded together may hold (default: half the free memory): a sample's "
+        "settings that do not fit take more prompt passes; the next sample joins once its caches fit",
     )
     p.add_argument(
         "--no-chat-template", action="store_true", help="plain prompts, even where the tokenizer has a chat template"

@@ -1,5 +1,6 @@
-"""How a RULER sample is answered under a grid's settings: one setting alone (:func:`predict`), many at once
-(:func:`predict_together`), a sample's settings in groups whose caches fit (:func:`answer`).
+"""How RULER samples are answered under a grid's settings: one setting alone (:func:`predict`), a sample's settings
+from one prompt pass (:func:`prefill_together`, :func:`predict_together`), and a stream of samples whose answers
+are decoded together as they come (:func:`answers`; one sample: :func:`answer`).
 
 **Compression** is kvpress's ratio: the share of the compressed tokens that are dropped (0.75 keeps a quarter). The
 kvsieve budget is ``1 - compression`` of those tokens. **Protocols**
@@ -19,9 +20,8 @@ RULER's per-task token limits (:data:`MAX_NEW_TOKENS`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from itertools import chain
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvsieve.api import eos_ids, generated, make_cache
 from kvsieve.engine.cache import SieveCache
-from kvsieve.engine.memory import available_memory, reservation
+from kvsieve.engine.memory import Reservation, available_memory, reservation
 from kvsieve.engine.shared import SharedPrompt, StackedRows
 from kvsieve.policies import get_policy
 from kvsieve.ruler.scoring import score
@@ -39,12 +39,16 @@ from kvsieve.ruler.tasks import Sample
 __all__ = [
     "FULL",
     "MAX_NEW_TOKENS",
+    "Decoding",
     "Prediction",
+    "Row",
     "Setting",
     "answer",
+    "answers",
     "max_new_tokens",
     "predict",
     "predict_together",
+    "prefill_together",
     "setting_groups",
 ]
 
@@ -146,31 +150,39 @@ def predict(
     return text.strip(), n, (streamer.at or end) - start, end - start
 
 
-def predict_together(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    head: Sequence[int],
-    tail: Sequence[int],
-    settings: Sequence[Setting],
-    max_new_tokens: int,
-) -> list[tuple[str, int, float, float]]:
-    """:func:`predict` for each of ``settings`` at once, with the same answers (tested): one forward pass of the
-    prompt fills every setting's cache (:class:`~kvsieve.engine.shared.SharedPrompt`; an ``agnostic`` cache takes the
-    context part), the question part is fed to the ``agnostic`` caches as the rows of one batch, and the answers of
-    all settings are decoded together as the rows of one batch (:class:`~kvsieve.engine.shared.StackedRows`), each row
-    leaving it at its end. Each setting's seconds are those of the work it waited for: its first token after the
-    shared pass (and, ``agnostic``, the batched question part), its answer when its row ended. Policies that narrow
-    attention have a prompt pass of their own: :func:`predict` them."""
+@dataclass(eq=False)
+class Row:
+    """One setting's answer in the making: the cache that holds its one row, its tokens so far, and its seconds —
+    the work it took part in: its prompt's shared pass (and, ``agnostic``, the batched question part), then each
+    decode step it was a row of."""
+
+    setting: Setting
+    cache: SieveCache
+    tokens: list[int]
+    limit: int
+    first_s: float
+    seconds: float
+    held: int = 0
+    """Bytes its cache holds at most while it decodes (:attr:`~kvsieve.engine.memory.Reservation.steady`; 0:
+    not counted)."""
+
+
+def prefill_together(
+    model: PreTrainedModel, head: Sequence[int], tail: Sequence[int], settings: Sequence[Setting], max_new_tokens: int
+) -> list[Row]:
+    """The rows of ``settings`` for the prompt ``head + tail`` (context part, question part), each with its first
+    token: one forward pass of the prompt fills every setting's cache (:class:`~kvsieve.engine.shared.SharedPrompt`;
+    an ``agnostic`` cache takes the context part), then the question part is fed to the ``agnostic`` caches as the
+    rows of one batch. Policies that narrow attention have a prompt pass of their own: :func:`predict` them."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
     agnostic = [s.compresses_context for s in settings]
     caches = [_cache(model, s) for s in settings]
-    eos = eos_ids(model, tokenizer)
     start = time.perf_counter()
     with torch.inference_mode():
         shared = SharedPrompt(caches, [len(head) if a else None for a in agnostic])
         last = model(input_ids=ids, cache=shared, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = [[int(last[0].argmax())] for _ in settings]
+        tokens = [int(last[0].argmax())] * n
         first_s = [time.perf_counter() - start] * n
         asking = [i for i in range(n) if agnostic[i]]
         if asking:
@@ -179,40 +191,101 @@ def predict_together(
             logits = model(input_ids=question, cache=stack, use_cache=True, logits_to_keep=1).logits[:, -1]
             at = time.perf_counter() - start
             for row, i in enumerate(asking):
-                tokens[i], first_s[i] = [int(logits[row].argmax())], at
-        total_s = [0.0] * n
+                tokens[i], first_s[i] = int(logits[row].argmax()), at
+    return [
+        Row(setting, cache, [token], max_new_tokens, first, first)
+        for setting, cache, token, first in zip(settings, caches, tokens, first_s, strict=True)
+    ]
 
-        def running(i: int) -> bool:
-            return len(tokens[i]) < max_new_tokens and tokens[i][-1] not in eos
 
-        live = [i for i in range(n) if running(i)]
-        for i in set(range(n)) - set(live):
-            total_s[i] = first_s[i]
-        stack = StackedRows([caches[i] for i in live]) if live else None
-        while live:
-            step = torch.tensor([[tokens[i][-1]] for i in live], device=device)
-            logits = model(input_ids=step, cache=stack, use_cache=True).logits[:, -1]
-            at = time.perf_counter() - start
-            for row, i in enumerate(live):
-                tokens[i].append(int(logits[row].argmax()))
-            staying = [row for row, i in enumerate(live) if running(i)]
-            for row, i in enumerate(live):
-                if row not in staying:
-                    total_s[i], caches[i] = at, None  # (its cache is freed as it leaves the batch)
-            if staying and len(staying) < len(live):
-                stack.batch_select_indices(torch.tensor(staying))
-            live = [live[row] for row in staying]
-    out = []
-    for i in range(n):
-        (text,), (count,) = generated(model, tokenizer, torch.tensor([tokens[i]]), 0)
-        out.append((text.strip(), count, first_s[i], total_s[i]))
-    return out
+class Decoding:
+    """Rows decoded greedily as one batch (:class:`~kvsieve.engine.shared.StackedRows`), whatever their prompts and
+    positions: rows join between steps (:meth:`join`) and leave at their end — EOS or their token limit — freeing
+    their caches."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model, self.eos = model, eos_ids(model, tokenizer)
+        self.rows: list[Row] = []
+        self.stack: StackedRows | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes the rows' caches hold at most (their :attr:`Row.held`)."""
+        return sum(row.held for row in self.rows)
+
+    def ended(self, row: Row) -> bool:
+        return len(row.tokens) >= row.limit or row.tokens[-1] in self.eos
+
+    def join(self, rows: Sequence[Row]) -> list[Row]:
+        """Take ``rows`` into the batch; those that already ended (at their first token) are returned instead."""
+        ended = [row for row in rows if self.ended(row)]
+        staying = [row for row in rows if not self.ended(row)]
+        if staying:
+            self.rows += staying
+            self.stack = StackedRows([row.cache for row in self.rows])
+        return ended
+
+    def step(self) -> list[Row]:
+        """One greedy token for every row; the rows that ended, out of the batch."""
+        start = time.perf_counter()
+        step = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.model.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=step, position_ids=self.stack.position_ids(), cache=self.stack, use_cache=True)
+        chosen = out.logits[:, -1].argmax(-1).tolist()
+        seconds = time.perf_counter() - start
+        for row, token in zip(self.rows, chosen, strict=True):
+            row.tokens.append(token)
+            row.seconds += seconds
+        staying = [i for i, row in enumerate(self.rows) if not self.ended(row)]
+        ended = [row for row in self.rows if self.ended(row)]
+        if not staying:
+            self.rows, self.stack = [], None
+        elif ended:
+            self.stack.batch_select_indices(torch.tensor(staying))
+            self.rows = [self.rows[i] for i in staying]
+        for row in ended:
+            row.cache = None  # (freed as it leaves the batch)
+        return ended
+
+
+def _finished(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, row: Row) -> tuple[str, int, float, float]:
+    """A row's answer as :func:`predict` returns it: text, tokens, seconds to its first token and in all."""
+    (text,), (count,) = generated(model, tokenizer, torch.tensor([row.tokens]), 0)
+    return text.strip(), count, row.first_s, row.seconds
+
+
+def predict_together(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    head: Sequence[int],
+    tail: Sequence[int],
+    settings: Sequence[Setting],
+    max_new_tokens: int,
+) -> list[tuple[str, int, float, float]]:
+    """:func:`predict` for each of ``settings`` at once, with the same answers (tested): their rows from one prompt
+    pass (:func:`prefill_together`), decoded as one batch (:class:`Decoding`), in the order of ``settings``."""
+    decoding = Decoding(model, tokenizer)
+    rows = prefill_together(model, head, tail, settings, max_new_tokens)
+    decoding.join(rows)
+    while decoding.rows:
+        decoding.step()
+    return [_finished(model, tokenizer, row) for row in rows]
 
 
 def _cache(model: PreTrainedModel, setting: Setting) -> SieveCache:
     """The cache ``setting`` answers with (see the module docstring for the protocols)."""
     growth = {"decode_budget": None} if setting.compresses_context else {}  # (agnostic: the answer never evicts)
     return make_cache(model, setting.policy, setting.budget, **growth)
+
+
+def _need(
+    model: PreTrainedModel, setting: Setting, prompt: tuple[Sequence[int], Sequence[int]], limit: int
+) -> Reservation:
+    """The most ``setting``'s cache holds for ``prompt`` (context part, question part) and an answer of ``limit``
+    tokens (:func:`~kvsieve.engine.memory.reservation`: ``peak`` while its prompt is fed, ``steady`` after)."""
+    head, tail = prompt
+    fed, more = (len(head), len(tail) + limit) if setting.compresses_context else (len(head) + len(tail), limit)
+    return reservation(model, _cache(model, setting), fed, more)
 
 
 def setting_groups(
@@ -223,25 +296,78 @@ def setting_groups(
     kv_memory: int | None,
 ) -> list[list[Setting]]:
     """``settings`` in order, in groups whose caches hold together at most ``kv_memory`` bytes for ``prompt``
-    (context part, question part) and an answer of ``max_new_tokens`` (each cache's most,
-    :func:`~kvsieve.engine.memory.reservation`, its prompt pass's buffer included): :func:`answer` answers each
-    group with one prompt pass. A setting that needs more than ``kv_memory`` alone is a group of its own; None: one
-    group."""
+    (context part, question part) and an answer of ``max_new_tokens`` (each cache's most while its prompt is fed,
+    its prompt pass's buffer included): each group is one prompt pass. A setting that needs more than ``kv_memory``
+    alone is a group of its own; None: one group."""
     if kv_memory is None:
         return [list(settings)]
-    head, tail = prompt
     groups: list[list[Setting]] = []
     used = 0
     for setting in settings:
-        context = setting.compresses_context
-        fed, more = (len(head), len(tail) + max_new_tokens) if context else (len(head) + len(tail), max_new_tokens)
-        need = reservation(model, _cache(model, setting), fed, more).peak
+        need = _need(model, setting, prompt, max_new_tokens).peak
         if not groups or used + need > kv_memory:
             groups.append([])
             used = 0
         groups[-1].append(setting)
         used += need
     return groups
+
+
+Unit = tuple[Sample, tuple[Sequence[int], Sequence[int]], Sequence[Setting]]
+"""A sample, its prompt (context part, question part) and the settings to answer it under."""
+
+
+def answers(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    units: Iterable[Unit],
+    kv_memory: int | None = None,
+) -> Iterator[tuple[int, Setting, dict[str, Any]]]:
+    """Each unit's answers, as ``(unit index, setting, cell)`` — a cell as stored: text, score, tokens, timings —
+    handed over as each answer ends. The units are taken in order, one group of settings at a time: a group is
+    the settings of a unit whose caches fit ``kv_memory`` bytes (:func:`setting_groups`; default: half the memory
+    free on the model's device), filled by one prompt pass (:func:`prefill_together`) and joining the answers
+    being decoded (:class:`Decoding`). A group is taken as soon as its caches fit beside those of the answers being
+    decoded (where the memory free cannot be read: once those are all done), so that the next samples' answers
+    fill the batch while a sample's longest answers finish. A setting whose policy narrows attention is answered
+    alone (:func:`predict`) at its turn, as a group of its own. Units are read only when their turn comes."""
+    if kv_memory is None:
+        free = available_memory(model.device)
+        kv_memory = None if free is None else free // 2
+    decoding = Decoding(model, tokenizer)
+    owner: dict[int, tuple[int, Sample]] = {}  # (id of a row being decoded → its unit's index and sample)
+
+    def handed(rows: Sequence[Row]) -> Iterator[tuple[int, Setting, dict[str, Any]]]:
+        for row in rows:
+            index, sample = owner.pop(id(row))
+            yield index, row.setting, _cell(sample, *_finished(model, tokenizer, row))
+
+    for index, (sample, prompt, settings) in enumerate(units):
+        limit = max_new_tokens(sample.task)
+        together = [s for s in settings if not get_policy(s.policy).narrows]
+        needs = {s: _need(model, s, prompt, limit) for s in settings}
+        groups = setting_groups(model, together, prompt, limit, kv_memory) + [
+            [s] for s in settings if s not in together
+        ]
+        for group in groups:
+            need = sum(needs[s].peak for s in group)
+            while decoding.rows and (kv_memory is None or decoding.held + need > kv_memory):
+                yield from handed(decoding.step())
+            if group[0] not in together:
+                yield index, group[0], _cell(sample, *predict(model, tokenizer, *prompt, group[0], limit))
+                continue
+            rows = prefill_together(model, *prompt, group, limit)
+            for row in rows:
+                row.held = needs[row.setting].steady
+                owner[id(row)] = index, sample
+            yield from handed(decoding.join(rows))
+    while decoding.rows:
+        yield from handed(decoding.step())
+
+
+def _cell(sample: Sample, text: str, n: int, first_s: float, total_s: float) -> dict[str, Any]:
+    """An answer to ``sample`` as a cell stores it (:class:`Prediction`)."""
+    return asdict(Prediction(text, score(sample.task, text, sample.answers), n, first_s, total_s))
 
 
 def answer(
@@ -252,21 +378,6 @@ def answer(
     settings: Sequence[Setting],
     kv_memory: int | None = None,
 ) -> Iterator[tuple[Setting, dict[str, Any]]]:
-    """``sample``'s answers to its ``prompt`` (context part, question part) under each of ``settings``, each as a
-    cell stores it (text, score, tokens, timings): what this process and a Ray task compute alike. The settings
-    whose policy does not narrow attention are answered together (:func:`predict_together`), in groups whose caches
-    fit ``kv_memory`` bytes (:func:`setting_groups`; default: half the memory free on the model's device), the
-    others one by one (:func:`predict`), each handed over as it is made."""
-    limit = max_new_tokens(sample.task)
-    together = [s for s in settings if not get_policy(s.policy).narrows]
-    if kv_memory is None:
-        free = available_memory(model.device)
-        kv_memory = None if free is None else free // 2
-    answers = [
-        predicted
-        for group in setting_groups(model, together, prompt, limit, kv_memory)
-        for predicted in predict_together(model, tokenizer, *prompt, group, limit)
-    ]
-    alone = ((s, predict(model, tokenizer, *prompt, s, limit)) for s in settings if s not in together)
-    for setting, (text, n, first, total_s) in chain(zip(together, answers, strict=True), alone):
-        yield setting, asdict(Prediction(text, score(sample.task, text, sample.answers), n, first, total_s))
+    """:func:`answers` of one sample: ``(setting, cell)`` as each answer ends (what a Ray task computes)."""
+    for _, setting, cell in answers(model, tokenizer, [(sample, prompt, settings)], kv_memory):
+        yield setting, cell

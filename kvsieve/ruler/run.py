@@ -4,19 +4,20 @@ sample is answered under its settings, and what the compressions and protocols a
 **Files** in ``OUT``: ``samples/<task>_<length>.jsonl`` (the generated samples, so that another tool can be fed the
 identical prompts), ``cells/<task>_<length>_<setting>.json`` (each sample's answer, score and timings, with the
 settings they were computed with: a cell computed with other settings is computed again), and the report
-(:mod:`kvsieve.ruler.report`). The loop runs sample by sample — the first sample of every task, then the second of each,
-… — every setting of a sample at once (:func:`~kvsieve.ruler.predict.answer`), and the cell files are rewritten after
-each sample: an interrupted run loses at most one sample's answers and a rerun computes only what is missing. Runs
+(:mod:`kvsieve.ruler.report`). The samples are taken in turn — the first sample of every task, then the second of each,
+… — every setting of a sample from one prompt pass, the next sample's answers joining the batch while a sample's
+longest answers finish (:func:`~kvsieve.ruler.predict.answers`), and a cell file is rewritten as each answer ends: an
+interrupted run loses only the answers still being decoded and a rerun computes only what is missing. Runs
 whose tasks or lengths do not overlap can share ``OUT`` at once: each ``(task, length)`` has files of its own, each
 written whole (a temporary file renamed).
 
 **On Ray** (``kvsieve ruler --ray [ADDRESS]``; :mod:`kvsieve.evaluation.ray_sweep` for the options and the cluster):
 this process makes or reads the samples and their prompt tokens, then each sample with settings still to answer is one
-task that answers it under those settings (:func:`~kvsieve.ruler.predict.answer`, as in this process) and returns its
-answers; this process writes them into the cell files as the tasks finish. A worker loads the grid's model
-(``grid.model``: a built-in name or a local directory, which the nodes need as for a sweep) in ``grid.dtype`` once per
-process. A sample whose task still fails after its retries stores nothing (a rerun computes it): the others are written,
-then :class:`SamplesFailed` names the failed ones.
+task that answers it under those settings (:func:`~kvsieve.ruler.predict.answer`: as in this process, but without
+the next sample's answers joining its batch) and returns its answers; this process writes them into the cell files as
+the tasks finish. A worker loads the grid's model (``grid.model``: a built-in name or a local directory, which the
+nodes need as for a sweep) in ``grid.dtype`` once per process. A sample whose task still fails after its retries
+stores nothing (a rerun computes it): the others are written, then :class:`SamplesFailed` names the failed ones.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.evaluation.defaults import QUESTION_MODES
 from kvsieve.policies import REGISTRY, get_policy
-from kvsieve.ruler.predict import FULL, Setting, answer
+from kvsieve.ruler.predict import FULL, Setting, Unit, answer, answers
 from kvsieve.ruler.tasks import (
     GENERATOR,
     TASKS,
@@ -237,8 +238,8 @@ def run_ruler(
     docstring); the directory. ``sources()`` gives what samples are made of, called once if samples are to be made
     (stored samples need none). ``ray``: answer the samples as Ray tasks on ``grid.model`` loaded on ``device`` by
     each worker (``model`` is unused, may be None); raises :class:`SamplesFailed` after the others are stored if
-    samples failed. ``kv_memory``: the bytes the caches of a sample's settings answered together may hold (see
-    :func:`~kvsieve.ruler.predict.answer`; default: half the memory free on the model's device)."""
+    samples failed. ``kv_memory``: the bytes the caches of the answers decoded together may hold (see
+    :func:`~kvsieve.ruler.predict.answers`; default: half the memory free on the model's device)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; tasks: {', '.join(TASKS)}")
@@ -271,12 +272,19 @@ def run_ruler(
     total = sum(samples - len(c.predictions) for *_, cells in todo for c in cells.values())
     with tqdm(total=total, desc="ruler", unit="answer", disable=not progress) as bar:
         if ray is None:
-            for sample, prompt, cells in units():
-                bar.set_postfix_str(f"{sample.task} {sample.length} #{sample.index}")
-                for setting, prediction in answer(model, tokenizer, sample, prompt, list(cells), kv_memory):
-                    cells[setting].predictions[sample.index] = prediction
-                    cells[setting].write()
-                    bar.update()
+            taken: list[tuple[Sample, dict[Setting, _Cell]]] = []
+
+            def taking() -> Iterator[Unit]:
+                for sample, prompt, cells in units():
+                    bar.set_postfix_str(f"{sample.task} {sample.length} #{sample.index}")
+                    taken.append((sample, cells))
+                    yield sample, prompt, list(cells)
+
+            for index, setting, prediction in answers(model, tokenizer, taking(), kv_memory):
+                sample, cells = taken[index]
+                cells[setting].predictions[sample.index] = prediction
+                cells[setting].write()
+                bar.update()
         else:
             _answer_on_ray(list(units()), grid, device, ray, bar, kv_memory)
     return out

@@ -24,7 +24,16 @@ from kvsieve.data import load_articles
 from kvsieve.engine.memory import reservation
 from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
-from kvsieve.ruler.predict import FULL, Setting, answer, predict, predict_together, setting_groups
+from kvsieve.ruler.predict import (
+    FULL,
+    Setting,
+    answer,
+    answers,
+    predict,
+    predict_together,
+    prefill_together,
+    setting_groups,
+)
 from kvsieve.ruler.report import by_depth, write_report
 from kvsieve.ruler.run import GridSettings, default_policies, grid_settings, run_ruler
 from kvsieve.ruler.scoring import mean_and_stderr, plus_minus, score
@@ -355,20 +364,20 @@ RUN_SAMPLES = 2
 
 
 def _count_predict(monkeypatch) -> list[tuple[str, int]]:
-    """Settings answered, by ``predict`` or ``predict_together``, as (setting key, prompt tokens), still computing."""
+    """Settings answered, by ``predict`` or ``prefill_together``, as (setting key, prompt tokens), still computing."""
     calls: list[tuple[str, int]] = []
-    alone, together = predict, predict_together  # (the originals, whatever a test patched in)
+    alone, together = predict, prefill_together  # (the originals, whatever a test patched in)
 
     def counted(model, tokenizer, head, tail, setting, max_new_tokens):
         calls.append((setting.key, len(head) + len(tail)))
         return alone(model, tokenizer, head, tail, setting, max_new_tokens)
 
-    def counted_together(model, tokenizer, head, tail, settings, max_new_tokens):
+    def counted_together(model, head, tail, settings, max_new_tokens):
         calls.extend((setting.key, len(head) + len(tail)) for setting in settings)
-        return together(model, tokenizer, head, tail, settings, max_new_tokens)
+        return together(model, head, tail, settings, max_new_tokens)
 
     monkeypatch.setattr(ruler_predict, "predict", counted)
-    monkeypatch.setattr(ruler_predict, "predict_together", counted_together)
+    monkeypatch.setattr(ruler_predict, "prefill_together", counted_together)
     return calls
 
 
@@ -410,7 +419,7 @@ def test_run_is_resumable_and_reported(tiny_lm, sources, tmp_path, monkeypatch) 
         raise AssertionError("predict was called on a complete grid")
 
     monkeypatch.setattr(ruler_predict, "predict", refuse)
-    monkeypatch.setattr(ruler_predict, "predict_together", refuse)
+    monkeypatch.setattr(ruler_predict, "prefill_together", refuse)
     run()
     assert made_from == [1]
 
@@ -579,7 +588,7 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     (sample,) = generate_samples("niah_single_1", 200, 1, Prompter(tok), sources)
     monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 6)
     answered = dict(answer(model, tok, sample, (head, tail), settings))
-    assert list(answered) == shared + [s for s in settings if s.policy == "topk_oracle"]
+    assert sorted(answered, key=settings.index) == settings
     for setting, (text, n, *_) in zip(shared, got, strict=True):
         assert (answered[setting]["text"], answered[setting]["answer_tokens"]) == (text, n)
     # Grouped by the memory their caches may hold: several prompt passes, the same answers.
@@ -591,8 +600,8 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     groups = setting_groups(model, shared, (head, tail), 6, whole // 3)
     assert 3 <= len(groups) < len(shared) and [s for group in groups for s in group] == shared
     calls = []
-    together = ruler_predict.predict_together
-    monkeypatch.setattr(ruler_predict, "predict_together", lambda *a: calls.append(len(a[4])) or together(*a))
+    together = ruler_predict.prefill_together
+    monkeypatch.setattr(ruler_predict, "prefill_together", lambda *a: calls.append(len(a[3])) or together(*a))
     grouped = dict(answer(model, tok, sample, (head, tail), shared, kv_memory=whole // 3))
     assert calls == [len(group) for group in groups]
     assert {s: (a["text"], a["answer_tokens"]) for s, a in grouped.items()} == {
@@ -614,6 +623,42 @@ def test_each_setting_answered_alone_is_yielded_as_it_is_made(tiny64, prompt_ids
     answers = answer(model, tok, sample, (head, tail), settings)
     assert next(answers)[0] == settings[0] and computed == settings[:1]
     assert [s for s, _ in answers] == settings[1:] and computed == settings
+
+
+NIAH_VT = [("niah_single_1", 180), ("niah_single_1", 230), ("vt", 260)]
+
+
+def test_samples_answers_decoded_together_as_alone(tiny64, sources, monkeypatch) -> None:
+    """Several samples' answers in one batch — the next sample's rows joining while a sample's longest answers
+    finish, rows at different positions — are each setting's answer alone (float64); a sample is taken only when its
+    caches fit beside those being decoded: a memory bound of one sample's caches keeps these apart."""
+    model, tok = tiny64
+    prompter = Prompter(tok)
+    made = [generate_samples(task, n, 1, prompter, sources)[0] for task, n in NIAH_VT]
+    settings = grid_settings(["full", "h2o", "snapkv", "streaming_llm"], [0.5], ["agnostic", "aware"])
+    limits = {"niah_single_1": 7, "vt": 4}
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", limits.get)
+    units = [(s, prompter.ids(s.context, s.question, s.answer_prefix), settings) for s in made]
+    assert len({len(head) + len(tail) for _, (head, tail), _ in units}) == 3  # (different positions)
+    want = {
+        (i, setting): predict(model, tok, *prompt, setting, limits[sample.task])[:2]
+        for i, (sample, prompt, _) in enumerate(units)
+        for setting in settings
+    }
+    steps, step = [], ruler_predict.Decoding.step
+
+    def watched(self):  # (the samples each step's rows belong to, by their prompt's length)
+        steps.append({row.cache.get_seq_length() - len(row.tokens) + 1 for row in self.rows})
+        return step(self)
+
+    monkeypatch.setattr(ruler_predict.Decoding, "step", watched)
+    got = {(i, s): (cell["text"], cell["answer_tokens"]) for i, s, cell in answers(model, tok, units, 10**12)}
+    assert got == want
+    assert any(len(prompts) > 1 for prompts in steps)  # (rows of two samples in one step)
+    one = max(sum(ruler_predict._need(model, s, prompt, 7).peak for s in settings) for _, prompt, _ in units)
+    steps.clear()
+    got = {(i, s): (cell["text"], cell["answer_tokens"]) for i, s, cell in answers(model, tok, units, one)}
+    assert got == want and steps and all(len(prompts) == 1 for prompts in steps)
 
 
 @pytest.mark.slow
