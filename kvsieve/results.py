@@ -8,7 +8,7 @@ A page (README.md, docs/*.md) holds blocks::
 
 ``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json``, ``kvsieve
 bench --json`` (with or without a preset) or ``kvsieve reproduce --json`` (its claims table) printed, or
-``scripts/ruler_cost.py --out`` or ``scripts/serve_soak.py --out`` wrote; each carries its
+``scripts/ruler_cost.py``, ``ruler_floor.py``, ``ruler_overlap.py`` or ``serve_soak.py --out`` wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
 :func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
@@ -228,6 +228,33 @@ def _ruler_floor(result: dict[str, Any]) -> str:
     )
 
 
+def _ruler_overlap(result: dict[str, Any]) -> str:
+    names = {"one_at_a_time": "one sample at a time", "together": "the next samples joining"}
+    figures = [
+        ("seconds", "wall seconds", "{:,.1f}"),
+        ("prompt_passes", "prompt passes", "{}"),
+        ("prompt_s", "prompt passes s", "{:,.1f}"),
+        ("question_s", "question parts s", "{:,.1f}"),
+        ("decode_steps", "decode steps", "{:,}"),
+        ("decode_s", "decode steps s", "{:,.1f}"),
+        ("few_row_steps", "steps of at most 8 rows", "{:,}"),
+        ("few_row_s", "their seconds", "{:,.1f}"),
+        ("rows_per_step", "rows per step", "{}"),
+        ("correct", "answers correct", "{}"),
+    ]
+    parts = []
+    for r in result["results"]:
+        rows = [[label, *(form.format(r[arm][key]) for arm in r["order"])] for key, label, form in figures]
+        parts.append(
+            f"{len(r['samples'])} samples of {r['length']:,} tokens ({', '.join(r['samples'])}) under the grid's "
+            f"{r['settings']} settings each, {r['dtype']}, caches bound to {r['kv_memory_gib']} GiB, in the order "
+            f"shown: **{r['speedup']}× faster** with the next samples joining; {r['same_text']} of the "
+            f"{r['answers']} answers the same text both ways; peak RSS {r['peak_rss_gib']} GiB.\n\n"
+            + md_table(["", *(names[arm] for arm in r["order"])], rows)
+        )
+    return "\n".join(parts)
+
+
 def _serve_soak(result: dict[str, Any]) -> str:
     req, t, rss, kv, down = (result[k] for k in ("requests", "throughput", "rss_mib", "kv_bytes", "shutdown"))
     prompts, latency, first = result["prompt_tokens"], result["latency_s"], result["first_chunk_s"]
@@ -325,6 +352,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
         return _ruler_cost
     if Path(program).name == "ruler_floor.py":
         return _ruler_floor
+    if Path(program).name == "ruler_overlap.py":
+        return _ruler_overlap
     if Path(program).name == "serve_soak.py":
         return _serve_soak
     if Path(program).name == "compiled_decode.py":
