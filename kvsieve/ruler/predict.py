@@ -231,7 +231,7 @@ class Decoding:
         step = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.model.device)
         with torch.inference_mode():
             out = self.model(input_ids=step, position_ids=self.stack.position_ids(), cache=self.stack, use_cache=True)
-        chosen = out.logits[:, -1].argmax(-1).tolist()
+        chosen = out.logits[:, -1].max(-1).indices.tolist()  # (argmax's token, 4x faster in bf16 on the CPU)
         seconds = time.perf_counter() - start
         for row, token in zip(self.rows, chosen, strict=True):
             row.tokens.append(token)
