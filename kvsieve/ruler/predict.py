@@ -96,6 +96,8 @@ class Prediction:
     """Seconds from the start to the first answer token: the prefill (with its compression), and for ``agnostic``
     the question part's forward pass."""
     total_s: float
+    """Seconds of the work the answer took part in: ``first_token_s``, then every decode step it was a row of (with
+    other answers joining, not the prompt passes that ran between its steps)."""
 
 
 class _FirstToken(BaseStreamer):
@@ -157,7 +159,8 @@ class Row:
     decode step it was a row of."""
 
     setting: Setting
-    cache: SieveCache
+    cache: SieveCache | None
+    """(None once the row has left the batch: its cache is freed.)"""
     tokens: list[int]
     limit: int
     first_s: float
