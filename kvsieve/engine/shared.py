@@ -22,7 +22,7 @@ row is at the same one) and a padding mask over caches that have seen different 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import pairwise
 from typing import Any
@@ -217,17 +217,36 @@ class SharedPrompt(Cache):
 
 
 class _StackedLayer(_Together):
-    def __init__(
-        self, subs: list[SieveLayer], spans: list[slice], check: Callable[[int, Any], None] | None = None
-    ) -> None:
+    def __init__(self, subs: list[SieveLayer], spans: list[slice], checks: bool = False) -> None:
         super().__init__(subs)
         self.spans = spans
-        self.check = check  # (the first layer checks the step's position ids, which every layer gets alike)
+        self.checks = checks  # (the first layer checks the step's position ids, which every layer gets alike)
+
+    def position_ids(self, q: int) -> torch.Tensor:
+        """``[B, q]``: the positions of each row's next ``q`` tokens (its newest position + 1, …)."""
+        newest = torch.cat([sub.newest for sub in self.subs])
+        return newest[:, None] + 1 + torch.arange(q, device=newest.device)
+
+    def check(self, q: int, given: torch.Tensor | None) -> None:
+        """Refuse a step of ``q`` tokens whose position ids are not each row's next positions (None, the model
+        handing none to the cache: unless every row is at the same one); nothing is stored before."""
+        want = self.position_ids(q)
+        if given is None:
+            ok = not bool((want != want[:1]).any())
+        else:
+            given = given.to(want.device)
+            ok = given.shape[-1] == q and given.shape[0] in (1, len(want)) and torch.equal(given.expand_as(want), want)
+        if not ok:
+            got = "none (the model hands the cache no position ids)" if given is None else given.tolist()
+            raise ValueError(
+                "the position ids of a step over stacked rows at different positions must be each row's next ones: "
+                f"pass position_ids=stack.position_ids({q}); got {got}"
+            )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.check is not None:  # (the model hands update its attention keywords as ``kwargs``)
+        if self.checks:  # (the model hands update its attention keywords as ``kwargs``)
             self.check(key_states.shape[-2], (kwargs.get("kwargs") or {}).get("position_ids"))
         for sub, span in zip(self.subs, self.spans, strict=True):
             sub.update(key_states[span], value_states[span])
@@ -273,29 +292,11 @@ class StackedRows(Cache):
     def _stack(self) -> list[_StackedLayer]:
         bounds = torch.tensor([0, *self.rows]).cumsum(0).tolist()
         spans = [slice(lo, hi) for lo, hi in pairwise(bounds)]
-        layers = _layers_of(self.caches)
-        return [_StackedLayer(subs, spans, self._check if i == 0 else None) for i, subs in enumerate(layers)]
+        return [_StackedLayer(subs, spans, checks=i == 0) for i, subs in enumerate(_layers_of(self.caches))]
 
     def position_ids(self, q: int = 1) -> torch.Tensor:
         """``[B, q]``: the positions of each row's next ``q`` tokens (its newest position + 1, …)."""
-        newest = torch.cat([cache.layers[0].newest for cache in self.caches])
-        return newest[:, None] + 1 + torch.arange(q, device=newest.device)
-
-    def _check(self, q: int, given: torch.Tensor | None) -> None:
-        """Refuse a step of ``q`` tokens whose position ids are not each row's next positions (None, the model
-        handing none to the cache: unless every row is at the same one); nothing is stored before."""
-        want = self.position_ids(q)
-        if given is None:
-            ok = not bool((want != want[:1]).any())
-        else:
-            given = given.to(want.device)
-            ok = given.shape[-1] == q and given.shape[0] in (1, len(want)) and torch.equal(given.expand_as(want), want)
-        if not ok:
-            got = "none (the model hands the cache no position ids)" if given is None else given.tolist()
-            raise ValueError(
-                "the position ids of a step over stacked rows at different positions must be each row's next ones: "
-                f"pass position_ids=stack.position_ids({q}); got {got}"
-            )
+        return self.layers[0].position_ids(q)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` (ascending): each cache keeps its own, and a cache left without rows leaves."""

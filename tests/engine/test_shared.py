@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -190,3 +193,25 @@ def test_stacked_rows_of_different_prompts_decode_as_alone(tiny_models, make_ids
         n = len(rows_got)
         assert n >= 4, i
         torch.testing.assert_close(torch.cat(rows_got), want[i][:n].squeeze(1), rtol=1e-9, atol=1e-9, msg=str(i))
+
+
+def test_a_dropped_stack_frees_its_caches_at_once(tiny_models, make_ids) -> None:
+    """A stack holds no reference cycle: its caches (GBs on a long prompt) are freed when the last reference to them
+    goes, not whenever Python's cyclic collector next runs."""
+    model = tiny_models("llama_gqa", torch.float32)
+    caches = [kvsieve.make_cache(model, "h2o", 4) for _ in range(3)]
+    with torch.inference_mode():
+        model(make_ids(1, 10, seed=1), cache=SharedPrompt(caches))
+        stack = StackedRows(caches)
+        model(make_ids(3, 1, seed=2), position_ids=stack.position_ids(), cache=stack)
+        stack.batch_select_indices(torch.tensor([0, 2]))
+        model(make_ids(2, 1, seed=3), position_ids=stack.position_ids(), cache=stack)
+    alive = [weakref.ref(cache) for cache in caches]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del caches, stack
+        assert [ref() for ref in alive] == [None, None, None]
+    finally:
+        if collecting:
+            gc.enable()
