@@ -52,7 +52,7 @@ def arm(model, tokenizer, work: list, together: bool, kv_memory: int) -> tuple[d
     start = time.perf_counter()
     with forward_passes(model) as passes:
         if together:
-            done = [(i, s, cell) for i, s, cell in predict.answers(model, tokenizer, work, kv_memory)]
+            done = list(predict.answers(model, tokenizer, work, kv_memory))
         else:
             done = [
                 (i, s, cell)

@@ -221,8 +221,9 @@ class Decoding:
 
     def join(self, rows: Sequence[Row]) -> list[Row]:
         """Take ``rows`` into the batch; those that already ended (at their first token) are returned instead."""
-        ended = [row for row in rows if self.ended(row)]
-        staying = [row for row in rows if not self.ended(row)]
+        done = [self.ended(row) for row in rows]
+        ended = [row for row, end in zip(rows, done, strict=True) if end]
+        staying = [row for row, end in zip(rows, done, strict=True) if not end]
         if staying:
             self.rows += staying
             self.stack = StackedRows([row.cache for row in self.rows])
@@ -239,8 +240,9 @@ class Decoding:
         for row, token in zip(self.rows, chosen, strict=True):
             row.tokens.append(token)
             row.seconds += seconds
-        staying = [i for i, row in enumerate(self.rows) if not self.ended(row)]
-        ended = [row for row in self.rows if self.ended(row)]
+        done = [self.ended(row) for row in self.rows]
+        staying = [i for i, end in enumerate(done) if not end]
+        ended = [row for row, end in zip(self.rows, done, strict=True) if end]
         if not staying:
             self.rows, self.stack = [], None
         elif ended:
@@ -304,10 +306,15 @@ def setting_groups(
     alone is a group of its own; None: one group."""
     if kv_memory is None:
         return [list(settings)]
+    return _packed(settings, [_need(model, s, prompt, max_new_tokens).peak for s in settings], kv_memory)
+
+
+def _packed(settings: Sequence[Setting], needs: Sequence[int], kv_memory: int) -> list[list[Setting]]:
+    """``settings`` in order, in groups whose ``needs`` (bytes) sum to at most ``kv_memory``; a setting that needs
+    more alone is a group of its own."""
     groups: list[list[Setting]] = []
     used = 0
-    for setting in settings:
-        need = _need(model, setting, prompt, max_new_tokens).peak
+    for setting, need in zip(settings, needs, strict=True):
         if not groups or used + need > kv_memory:
             groups.append([])
             used = 0
@@ -349,9 +356,11 @@ def answers(
         limit = max_new_tokens(sample.task)
         together = [s for s in settings if not get_policy(s.policy).narrows]
         needs = {s: _need(model, s, prompt, limit) for s in settings}
-        groups = setting_groups(model, together, prompt, limit, kv_memory) + [
-            [s] for s in settings if s not in together
-        ]
+        if kv_memory is None:  # (no bound: one group, if any setting shares a prompt pass)
+            groups = [together] if together else []
+        else:
+            groups = _packed(together, [needs[s].peak for s in together], kv_memory)
+        groups += [[s] for s in settings if s not in together]
         for group in groups:
             need = sum(needs[s].peak for s in group)
             while decoding.rows and (kv_memory is None or decoding.held + need > kv_memory):
