@@ -273,8 +273,9 @@ def attention_args(module: torch.nn.Module, query: torch.Tensor, mask: Any, kwar
     )
 
 
-def hand_over(layer: Any, keys: torch.Tensor) -> None:
-    """Called by an evicting cache layer's ``update``: the next attention call over ``keys`` belongs to it."""
+def hand_over(layer: Any, keys: torch.Tensor | None) -> None:
+    """Called by an evicting cache layer's ``update``: the next attention call over ``keys`` belongs to it (None:
+    withdraw a hand-over that no attention call will take)."""
     _PENDING.layer, _PENDING.keys = layer, keys
 
 

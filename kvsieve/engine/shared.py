@@ -14,6 +14,13 @@
   each cache attends, observes and evicts its own rows under its own policy. Rows are removed with
   ``batch_select_indices``; a cache left without rows leaves the batch.
 
+A shared prompt's pass can be *recorded* (``SharedPrompt(..., record=True)``): every layer's attention inputs — the
+queries, keys and values of the prompt, its mask and arguments — kept as a :class:`RecordedPass`. Another
+:class:`SharedPrompt` over the same prompt then :meth:`~SharedPrompt.replay` s it: each layer stores the recorded
+keys and values and attends the recorded queries, so its caches get the attention, observations and eviction of
+that very pass without the model's layers running again (a grid whose caches do not fit in memory together pays
+for one model pass, however many groups its settings take).
+
 Both serve one forward pass each and refuse what they do not implement: padding, ``output_attentions`` and
 policies that narrow attention (their prompt's outputs are their own) in a shared prompt; in a stack, a step whose
 position ids are not each row's next position (:meth:`StackedRows.position_ids`; they may be left out where every
@@ -23,7 +30,7 @@ row is at the same one) and a padding mask over caches that have seen different 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
 
@@ -36,7 +43,32 @@ from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.slot_attention import AttentionArgs, Visibility, fused_attention, observed_attention
 from kvsieve.policies.base import Observation, Policy, Slots
 
-__all__ = ["SharedPrompt", "StackedRows"]
+__all__ = ["LayerInputs", "RecordedPass", "SharedPrompt", "StackedRows"]
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What one layer's attention got in a prompt pass: the queries ``[1, Hq, q, D]``, keys and values
+    ``[1, H, q, D]`` (as the model hands them over: rotated), the mask and the attention arguments."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: SieveMask
+    args: AttentionArgs
+
+
+@dataclass(frozen=True)
+class RecordedPass:
+    """A :class:`SharedPrompt`'s forward pass, kept (``record=True``) for other caches of the same prompt
+    (:meth:`SharedPrompt.replay`): each layer's :class:`LayerInputs`."""
+
+    layers: tuple[LayerInputs, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its tensors hold."""
+        return sum(t.nbytes for step in self.layers for t in (step.query, step.keys, step.values))
 
 
 def _layers_of(caches: Sequence[SieveCache]) -> list[list[SieveLayer]]:
@@ -81,11 +113,13 @@ class _Together(CacheLayerMixin):
 
 
 class _SharedLayer(_Together):
-    def __init__(self, subs: list[SieveLayer], ends: list[int | None]) -> None:
+    def __init__(self, subs: list[SieveLayer], ends: list[int | None], record: bool) -> None:
         super().__init__(subs)
         self.ends = ends
         self.tokens_seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.record = record
+        self.recorded: LayerInputs | None = None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -159,6 +193,8 @@ class _SharedLayer(_Together):
             outs.append(observed_attention(*late, observe, step_rows=q)[0])
         for sub, view, *_ in watchers:
             sub.close_prompt(view)
+        if self.record:
+            self.recorded = LayerInputs(query, keys, values, mask, args)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), None
 
 
@@ -196,10 +232,14 @@ class SharedPrompt(Cache):
     logits are those of the whole prompt: for a cache with a shorter ``end``, feed it the rest.
 
     >>> caches = [make_cache(model, "h2o", 0.25), make_cache(model, "snapkv", 0.5, decode_budget=None)]
-    >>> model(input_ids=ids, cache=SharedPrompt(caches, ends=[None, 3000]), logits_to_keep=1)
+    >>> shared = SharedPrompt(caches, ends=[None, 3000], record=True)
+    >>> model(input_ids=ids, cache=shared, logits_to_keep=1)
+    >>> SharedPrompt([make_cache(model, "tova", 0.25)]).replay(shared.recorded)  # (no second model pass)
     """
 
-    def __init__(self, caches: Sequence[SieveCache], ends: Sequence[int | None] | None = None) -> None:
+    def __init__(
+        self, caches: Sequence[SieveCache], ends: Sequence[int | None] | None = None, record: bool = False
+    ) -> None:
         layers = _layers_of(caches)
         ends = [None] * len(caches) if ends is None else list(ends)
         if len(ends) != len(caches):
@@ -212,8 +252,34 @@ class SharedPrompt(Cache):
                 raise ValueError(
                     f"{narrowing[0]} narrows the prompt's attention: its forward pass is its own, run it alone"
                 )
-        super().__init__(layers=[_SharedLayer(subs, ends) for subs in layers])
+        super().__init__(layers=[_SharedLayer(subs, ends, record) for subs in layers])
         self.caches = list(caches)
+
+    @property
+    def recorded(self) -> RecordedPass:
+        """The pass's attention inputs (made with ``record=True``, after its forward pass), to :meth:`replay`."""
+        steps = [layer.recorded for layer in self.layers]
+        if not self.layers[0].record:
+            raise ValueError("this SharedPrompt records nothing: make it with record=True")
+        if any(step is None for step in steps):
+            raise ValueError("no forward pass was recorded: run the prompt through the model first")
+        return RecordedPass(tuple(steps))
+
+    def replay(self, recorded: RecordedPass) -> None:
+        """Fill the caches from ``recorded`` — another SharedPrompt's pass over the same prompt — as this one's own
+        forward pass would: each layer takes the recorded keys and values and attends the recorded queries (the same
+        inputs: the same attention, observations and eviction), with no model pass. The pass's logits are the
+        recorded pass's."""
+        if len(recorded.layers) != len(self.layers):
+            raise ValueError(
+                f"a pass recorded over {len(recorded.layers)} layers cannot fill caches of {len(self.layers)}"
+            )
+        try:
+            for layer, step in zip(self.layers, recorded.layers, strict=True):
+                layer.update(step.keys, step.values)
+                layer.attend(step.query, step.keys, step.values, step.mask, step.args)
+        finally:
+            hand_over(None, None)  # (no attention call takes what the layers handed over)
 
 
 class _StackedLayer(_Together):

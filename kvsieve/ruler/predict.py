@@ -31,7 +31,7 @@ from transformers.generation.streamers import BaseStreamer
 from kvsieve.api import eos_ids, generated, make_cache
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.memory import Reservation, available_memory, reservation
-from kvsieve.engine.shared import SharedPrompt, StackedRows
+from kvsieve.engine.shared import RecordedPass, SharedPrompt, StackedRows
 from kvsieve.policies import get_policy
 from kvsieve.ruler.scoring import score
 from kvsieve.ruler.tasks import Sample
@@ -41,6 +41,7 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "Decoding",
     "Prediction",
+    "PromptPass",
     "Row",
     "Setting",
     "answer",
@@ -170,22 +171,65 @@ class Row:
     not counted)."""
 
 
+class PromptPass:
+    """A prompt's forward pass kept for the groups of settings filled from it one after another
+    (:func:`prefill_together`): the first group's caches are filled by the model's pass, recorded
+    (:class:`~kvsieve.engine.shared.SharedPrompt`), the next groups' by replaying it — the caches their own pass
+    would leave (tested), without the model's layers running again."""
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+        self.recorded: RecordedPass | None = None
+        self.token = -1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the recorded pass holds (0 before the pass)."""
+        return 0 if self.recorded is None else self.recorded.nbytes
+
+    def fill(self, model: PreTrainedModel, ids: torch.Tensor, caches: list[SieveCache], ends: list[int | None]) -> int:
+        """Fill ``caches`` from the prompt ``ids`` (cache ``i`` its first ``ends[i]`` tokens, None: all) and return
+        the prompt's greedy next token: by the model's pass, recorded, the first time; by replaying it after."""
+        if self.recorded is None:
+            shared = SharedPrompt(caches, ends, record=True)
+            self.token = _next_token(model, ids, shared)
+            self.ids, self.recorded = ids, shared.recorded
+        elif not torch.equal(ids, self.ids):
+            raise ValueError("a prompt pass fills caches of its own prompt only")
+        else:
+            SharedPrompt(caches, ends).replay(self.recorded)
+        return self.token
+
+
+def _next_token(model: PreTrainedModel, ids: torch.Tensor, cache: SharedPrompt) -> int:
+    return int(model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+
+
 def prefill_together(
-    model: PreTrainedModel, head: Sequence[int], tail: Sequence[int], settings: Sequence[Setting], max_new_tokens: int
+    model: PreTrainedModel,
+    head: Sequence[int],
+    tail: Sequence[int],
+    settings: Sequence[Setting],
+    max_new_tokens: int,
+    prompt_pass: PromptPass | None = None,
 ) -> list[Row]:
     """The rows of ``settings`` for the prompt ``head + tail`` (context part, question part), each with its first
     token: one forward pass of the prompt fills every setting's cache (:class:`~kvsieve.engine.shared.SharedPrompt`;
-    an ``agnostic`` cache takes the context part), then the question part is fed to the ``agnostic`` caches as the
-    rows of one batch. Policies that narrow attention have a prompt pass of their own: :func:`predict` them."""
+    an ``agnostic`` cache takes the context part) — or ``prompt_pass``, for the groups of settings of one prompt
+    filled one after another — then the question part is fed to the ``agnostic`` caches as the rows of one batch.
+    Policies that narrow attention have a prompt pass of their own: :func:`predict` them."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
     agnostic = [s.compresses_context for s in settings]
     caches = [_cache(model, s) for s in settings]
+    ends = [len(head) if a else None for a in agnostic]
     start = time.perf_counter()
     with torch.inference_mode():
-        shared = SharedPrompt(caches, [len(head) if a else None for a in agnostic])
-        last = model(input_ids=ids, cache=shared, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = [int(last[0].argmax())] * n
+        if prompt_pass is None:
+            token = _next_token(model, ids, SharedPrompt(caches, ends))
+        else:
+            token = prompt_pass.fill(model, ids, caches, ends)
+        tokens = [token] * n
         first_s = [time.perf_counter() - start] * n
         asking = [i for i in range(n) if agnostic[i]]
         if asking:
@@ -302,7 +346,8 @@ def setting_groups(
 ) -> list[list[Setting]]:
     """``settings`` in order, in groups whose caches hold together at most ``kv_memory`` bytes for ``prompt``
     (context part, question part) and an answer of ``max_new_tokens`` (each cache's most while its prompt is fed,
-    its prompt pass's buffer included): each group is one prompt pass. A setting that needs more than ``kv_memory``
+    its prompt pass's buffer included): each group's caches are filled together, by the prompt's one model pass
+    or a replay of it (:class:`PromptPass`). A setting that needs more than ``kv_memory``
     alone is a group of its own; None: one group."""
     if kv_memory is None:
         return [list(settings)]
@@ -336,11 +381,13 @@ def answers(
     """Each unit's answers, as ``(unit index, setting, cell)`` — a cell as stored: text, score, tokens, timings —
     handed over as each answer ends. The units are taken in order, one group of settings at a time: a group is
     the settings of a unit whose caches fit ``kv_memory`` bytes (:func:`setting_groups`; default: half the memory
-    free on the model's device), filled by one prompt pass (:func:`prefill_together`) and joining the answers
-    being decoded (:class:`Decoding`). A group is taken as soon as its caches fit beside those of the answers being
-    decoded (where the memory free cannot be read: once those are all done), so that the next samples' answers
-    fill the batch while a sample's longest answers finish. A setting whose policy narrows attention is answered
-    alone (:func:`predict`) at its turn, as a group of its own. Units are read only when their turn comes."""
+    free on the model's device), filled by the unit's prompt pass (:func:`prefill_together`; its next groups
+    replay it, :class:`PromptPass`, whose recording counts against ``kv_memory`` until they are filled) and
+    joining the answers being decoded (:class:`Decoding`). A group is taken as soon as its caches fit beside
+    those of the answers being decoded (where the memory free cannot be read: once those are all done), so that
+    the next samples' answers fill the batch while a sample's longest answers finish. A setting whose policy
+    narrows attention is answered alone (:func:`predict`) at its turn, as a group of its own. Units are read only
+    when their turn comes."""
     if kv_memory is None:
         free = available_memory(model.device)
         kv_memory = None if free is None else free // 2
@@ -360,15 +407,19 @@ def answers(
             groups = [together] if together else []
         else:
             groups = _packed(together, [needs[s].peak for s in together], kv_memory)
+        passes = len(groups)  # (the groups after the first replay its pass: kept until the last is filled)
+        prompt_pass = PromptPass() if passes > 1 else None
         groups += [[s] for s in settings if s not in together]
-        for group in groups:
-            need = sum(needs[s].peak for s in group)
+        for number, group in enumerate(groups):
+            need = sum(needs[s].peak for s in group) + (0 if prompt_pass is None else prompt_pass.nbytes)
             while decoding.rows and (kv_memory is None or decoding.held + need > kv_memory):
                 yield from handed(decoding.step())
             if group[0] not in together:
                 yield index, group[0], _cell(sample, *predict(model, tokenizer, *prompt, group[0], limit))
                 continue
-            rows = prefill_together(model, *prompt, group, limit)
+            rows = prefill_together(model, *prompt, group, limit, prompt_pass)
+            if number == passes - 1:
+                prompt_pass = None
             for row in rows:
                 row.held = needs[row.setting].steady
                 owner[id(row)] = index, sample

@@ -215,3 +215,43 @@ def test_a_dropped_stack_frees_its_caches_at_once(tiny_models, make_ids) -> None
     finally:
         if collecting:
             gc.enable()
+
+
+@pytest.mark.parametrize("model_name", ["llama_gqa", "gemma3"])
+def test_a_replayed_pass_fills_caches_as_their_own_pass(tiny_models, make_ids, model_name) -> None:
+    """Caches filled from a recorded pass over the same prompt (the pass of other caches) hold what their own pass
+    leaves them, bit for bit, and decode as those; the model then runs other caches as before."""
+    model = tiny_models(model_name, torch.float32)
+    ids = make_ids(1, PROMPT, seed=4)
+    ends = [end for _, _, end, _ in SETTINGS]
+    first, second = slice(0, 5), slice(5, None)  # (the caches of the recorded pass; those that replay it)
+    recording = SharedPrompt(_caches(model)[first], ends[first], record=True)
+    with pytest.raises(ValueError, match="no forward pass was recorded"):
+        recording.recorded  # noqa: B018
+    replayed, own = _caches(model)[second], _caches(model)[second]
+    with torch.inference_mode():
+        model(ids, cache=recording)
+        SharedPrompt(replayed, ends[second]).replay(recording.recorded)
+        model(ids, cache=SharedPrompt(own, ends[second]))
+        for cache, want, (policy, *_) in zip(replayed, own, SETTINGS[second], strict=True):
+            assert cache.get_seq_length() == want.get_seq_length()
+            for layer, other in zip(cache.layers, want.layers, strict=True):
+                assert torch.equal(layer.held_positions(), other.held_positions()), policy
+                used = layer.store.used  # (the slots in use; the buffer's others were never written)
+                assert torch.equal(layer.keys[:, :, :used], other.keys[:, :, :used]), policy
+                for name, value in layer.held_state().items():
+                    assert torch.equal(value, other.held_state()[name]), policy
+        feed = make_ids(len(replayed), 1, seed=6)
+        stacks = [StackedRows(c) for c in (replayed, own)]
+        got, want = (model(feed, position_ids=s.position_ids(), cache=s).logits for s in stacks)
+        assert torch.equal(got, want)
+        plain = kvsieve.make_cache(model, "h2o", 4)  # (no hand-over left behind: another cache runs as ever)
+        model(ids, cache=plain)
+        assert plain.get_seq_length() == PROMPT
+    assert recording.recorded.nbytes == sum(
+        t.nbytes for step in recording.recorded.layers for t in (step.query, step.keys, step.values)
+    )
+    with pytest.raises(ValueError, match="records nothing"):
+        SharedPrompt(_caches(model)[:1]).recorded  # noqa: B018
+    with pytest.raises(ValueError, match="end must be in"):
+        SharedPrompt(_caches(model)[:1], [PROMPT + 1]).replay(recording.recorded)

@@ -26,6 +26,7 @@ from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
 from kvsieve.ruler.predict import (
     FULL,
+    PromptPass,
     Setting,
     answer,
     answers,
@@ -372,9 +373,9 @@ def _count_predict(monkeypatch) -> list[tuple[str, int]]:
         calls.append((setting.key, len(head) + len(tail)))
         return alone(model, tokenizer, head, tail, setting, max_new_tokens)
 
-    def counted_together(model, head, tail, settings, max_new_tokens):
+    def counted_together(model, head, tail, settings, max_new_tokens, prompt_pass=None):
         calls.extend((setting.key, len(head) + len(tail)) for setting in settings)
-        return together(model, head, tail, settings, max_new_tokens)
+        return together(model, head, tail, settings, max_new_tokens, prompt_pass)
 
     monkeypatch.setattr(ruler_predict, "predict", counted)
     monkeypatch.setattr(ruler_predict, "prefill_together", counted_together)
@@ -591,7 +592,7 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     assert sorted(answered, key=settings.index) == settings
     for setting, (text, n, *_) in zip(shared, got, strict=True):
         assert (answered[setting]["text"], answered[setting]["answer_tokens"]) == (text, n)
-    # Grouped by the memory their caches may hold: several prompt passes, the same answers.
+    # Grouped by the memory their caches may hold: one model pass replayed for each group, the same answers.
     assert setting_groups(model, shared, (head, tail), 6, None) == [shared]
     assert setting_groups(model, shared, (head, tail), 6, 1) == [[s] for s in shared]  # (each needs more)
     whole = sum(
@@ -602,8 +603,20 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     calls = []
     together = ruler_predict.prefill_together
     monkeypatch.setattr(ruler_predict, "prefill_together", lambda *a: calls.append(len(a[3])) or together(*a))
-    grouped = dict(answer(model, tok, sample, (head, tail), shared, kv_memory=whole // 3))
+    passes = []  # (the lengths of the model's forward passes)
+    counting = model.register_forward_pre_hook(
+        lambda module, args, kwargs: passes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        grouped = dict(answer(model, tok, sample, (head, tail), shared, kv_memory=whole // 3))
+    finally:
+        counting.remove()
     assert calls == [len(group) for group in groups]
+    assert passes.count(len(head) + len(tail)) == 1  # (one model pass of the prompt: the other groups replay it)
+    kept = PromptPass()
+    prefill_together(model, head, tail, shared[:1], 2, kept)
+    with pytest.raises(ValueError, match="caches of its own prompt only"):
+        prefill_together(model, head, tail[:-1], shared[:1], 2, kept)
     assert {s: (a["text"], a["answer_tokens"]) for s, a in grouped.items()} == {
         s: (answered[s]["text"], answered[s]["answer_tokens"]) for s in shared
     }
