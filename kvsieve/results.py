@@ -8,7 +8,8 @@ A page (README.md, docs/*.md) holds blocks::
 
 ``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json``, ``kvsieve
 bench --json`` (with or without a preset) or ``kvsieve reproduce --json`` (its claims table) printed, or
-``scripts/ruler_cost.py``, ``ruler_floor.py``, ``ruler_overlap.py`` or ``serve_soak.py --out`` wrote; each carries its
+``scripts/ruler_cost.py``, ``ruler_floor.py``, ``ruler_overlap.py``, ``ruler_replay.py`` or ``serve_soak.py --out``
+wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
 :func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
@@ -255,6 +256,21 @@ def _ruler_overlap(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _ruler_replay(result: dict[str, Any]) -> str:
+    r = result["result"]
+    names = {"passes": "a model pass per group", "replay": "the first group's pass, replayed after"}
+    header = ["", *(f"group {i + 1} ({n} settings) s" for i, n in enumerate(r["groups"])), "all groups s"]
+    rows = [[names[arm], *(f"{s:,.1f}" for s in r[arm]["group_s"]), f"{r[arm]['total_s']:,.1f}"] for arm in names]
+    rounds = "one round" if r["rounds"] == 1 else f"the fastest of {r['rounds']} rounds"
+    return (
+        f"One sample of {r['length']:,} tokens under the grid's {r['settings']} settings in {len(r['groups'])} groups, "
+        f"{r['dtype']}, {rounds}: the later groups **{r['later_speedup']}× faster** replaying the first group's pass, "
+        f"all groups {r['speedup']}×; the recorded pass holds {r['recorded_gib']} GiB; {r['same_caches']} of the "
+        f"{r['settings']} caches hold the same tokens both ways; peak RSS {r['peak_rss_gib']} GiB.\n\n"
+        + md_table(header, rows)
+    )
+
+
 def _serve_soak(result: dict[str, Any]) -> str:
     req, t, rss, kv, down = (result[k] for k in ("requests", "throughput", "rss_mib", "kv_bytes", "shutdown"))
     prompts, latency, first = result["prompt_tokens"], result["latency_s"], result["first_chunk_s"]
@@ -354,6 +370,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
         return _ruler_floor
     if Path(program).name == "ruler_overlap.py":
         return _ruler_overlap
+    if Path(program).name == "ruler_replay.py":
+        return _ruler_replay
     if Path(program).name == "serve_soak.py":
         return _serve_soak
     if Path(program).name == "compiled_decode.py":

@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-memory-gb",
         type=POSITIVE,
         help="GiB the caches of the answers decoded together may hold (default: half the free memory): a sample's "
-        "settings that do not fit take more prompt passes; the next sample joins once its caches fit",
+        "settings that do not fit are filled in groups, replaying its one model pass; the next sample joins once its "
+        "caches fit",
     )
     p.add_argument(
         "--no-chat-template", action="store_true", help="plain prompts, even where the tokenizer has a chat template"
