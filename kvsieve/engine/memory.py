@@ -1,5 +1,5 @@
 """A cache's memory, known before it runs (what the server admits requests against, what a RULER sample's settings
-are grouped by), and the memory free for it.
+are grouped by), a recorded prompt pass's, and the memory free for them.
 
 A request runs alone in its own :class:`~kvsieve.engine.cache.SieveCache` (batch 1). Each layer allocates slots
 of ``kv_heads × (2 × head_dim × dtype bytes + 8 + policy state bytes)``: the keys and values (quantized slots: their
@@ -68,6 +68,15 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
             transient = max(transient, prompt_tokens * slot)
     layout = repr((cache.plan.layer_policies, cache.budgets, cache.rolling, cache.codec))
     return Reservation(steady=steady, peak=steady + transient, layout=layout, fixed=fixed)
+
+
+def recorded_pass_bytes(model: PreTrainedModel, tokens: int) -> int:
+    """Bytes the recording of a prompt pass of ``tokens`` holds (:class:`~kvsieve.engine.shared.RecordedPass`): each
+    layer's queries, keys and values, in the model's dtype."""
+    config = model.config.get_text_config()
+    kv_heads, head_dim = kv_geometry(model)
+    per_token = (config.num_attention_heads + 2 * kv_heads) * head_dim * model.dtype.itemsize
+    return config.num_hidden_layers * tokens * per_token
 
 
 def final_capacity(prompt_tokens: int, fed: int, limit: int | float) -> int:

@@ -30,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvsieve.api import eos_ids, generated, make_cache
 from kvsieve.engine.cache import SieveCache
-from kvsieve.engine.memory import Reservation, available_memory, reservation
+from kvsieve.engine.memory import Reservation, available_memory, recorded_pass_bytes, reservation
 from kvsieve.engine.shared import RecordedPass, SharedPrompt, StackedRows
 from kvsieve.policies import get_policy
 from kvsieve.ruler.scoring import score
@@ -346,17 +346,24 @@ def setting_groups(
 ) -> list[list[Setting]]:
     """``settings`` in order, in groups whose caches hold together at most ``kv_memory`` bytes for ``prompt``
     (context part, question part) and an answer of ``max_new_tokens`` (each cache's most while its prompt is fed,
-    its prompt pass's buffer included): each group's caches are filled together, by the prompt's one model pass
-    or a replay of it (:class:`PromptPass`). A setting that needs more than ``kv_memory``
-    alone is a group of its own; None: one group."""
+    its prompt pass's buffer included; where they take several groups, with the recording of the prompt's one
+    model pass, which the groups after the first replay: :class:`PromptPass`). A setting that needs more than
+    ``kv_memory`` alone is a group of its own; None: one group."""
     if kv_memory is None:
         return [list(settings)]
-    return _packed(settings, [_need(model, s, prompt, max_new_tokens).peak for s in settings], kv_memory)
+    needs = [_need(model, s, prompt, max_new_tokens).peak for s in settings]
+    return _packed(settings, needs, kv_memory, recorded_pass_bytes(model, len(prompt[0]) + len(prompt[1])))
 
 
-def _packed(settings: Sequence[Setting], needs: Sequence[int], kv_memory: int) -> list[list[Setting]]:
-    """``settings`` in order, in groups whose ``needs`` (bytes) sum to at most ``kv_memory``; a setting that needs
-    more alone is a group of its own."""
+def _packed(settings: Sequence[Setting], needs: Sequence[int], kv_memory: int, recording: int) -> list[list[Setting]]:
+    """``settings`` in order, in groups whose ``needs`` (bytes) sum to at most ``kv_memory``, less the ``recording``
+    of the prompt pass that the groups after the first replay (held until the last is filled) where there are
+    several; a setting that needs more alone is a group of its own."""
+    groups = _fitted(settings, needs, kv_memory)
+    return groups if len(groups) == 1 else _fitted(settings, needs, kv_memory - recording)
+
+
+def _fitted(settings: Sequence[Setting], needs: Sequence[int], kv_memory: int) -> list[list[Setting]]:
     groups: list[list[Setting]] = []
     used = 0
     for setting, need in zip(settings, needs, strict=True):
@@ -403,15 +410,16 @@ def answers(
         limit = max_new_tokens(sample.task)
         together = [s for s in settings if not get_policy(s.policy).narrows]
         needs = {s: _need(model, s, prompt, limit) for s in settings}
+        recording = recorded_pass_bytes(model, len(prompt[0]) + len(prompt[1]))
         if kv_memory is None:  # (no bound: one group, if any setting shares a prompt pass)
             groups = [together] if together else []
         else:
-            groups = _packed(together, [needs[s].peak for s in together], kv_memory)
+            groups = _packed(together, [needs[s].peak for s in together], kv_memory, recording)
         passes = len(groups)  # (the groups after the first replay its pass: kept until the last is filled)
         prompt_pass = PromptPass() if passes > 1 else None
         groups += [[s] for s in settings if s not in together]
         for number, group in enumerate(groups):
-            need = sum(needs[s].peak for s in group) + (0 if prompt_pass is None else prompt_pass.nbytes)
+            need = sum(needs[s].peak for s in group) + (0 if prompt_pass is None else recording)
             while decoding.rows and (kv_memory is None or decoding.held + need > kv_memory):
                 yield from handed(decoding.step())
             if group[0] not in together:

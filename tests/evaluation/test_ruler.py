@@ -21,7 +21,7 @@ import kvsieve
 import kvsieve.ruler.predict as ruler_predict
 from kvsieve.cli import main
 from kvsieve.data import load_articles
-from kvsieve.engine.memory import reservation
+from kvsieve.engine.memory import recorded_pass_bytes, reservation
 from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
 from kvsieve.ruler.predict import (
@@ -600,6 +600,9 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     )
     groups = setting_groups(model, shared, (head, tail), 6, whole // 3)
     assert 3 <= len(groups) < len(shared) and [s for group in groups for s in group] == shared
+    recording = recorded_pass_bytes(model, len(head) + len(tail))  # (held beside every group until the last)
+    for group in groups:
+        assert sum(ruler_predict._need(model, s, (head, tail), 6).peak for s in group) + recording <= whole // 3
     calls = []
     together = ruler_predict.prefill_together
     monkeypatch.setattr(ruler_predict, "prefill_together", lambda *a: calls.append(len(a[3])) or together(*a))
