@@ -254,3 +254,14 @@ def test_a_replayed_pass_fills_caches_as_their_own_pass(tiny_models, make_ids, m
         SharedPrompt(_caches(model)[:1]).recorded  # noqa: B018
     with pytest.raises(ValueError, match="end must be in"):
         SharedPrompt(_caches(model)[:1], [PROMPT + 1]).replay(recording.recorded)
+
+
+def test_a_pass_recorded_on_another_depth_is_refused(tiny_models, make_ids) -> None:
+    llama, gemma = tiny_models("llama_gqa", torch.float32), tiny_models("gemma3", torch.float32)
+    recording = SharedPrompt([kvsieve.make_cache(llama, "h2o", 4)], record=True)
+    with torch.inference_mode():
+        llama(make_ids(1, 12, seed=1), cache=recording)
+    cache = kvsieve.make_cache(gemma, "h2o", 4)
+    with pytest.raises(ValueError, match="recorded over 3 layers cannot fill caches of 4"):
+        SharedPrompt([cache]).replay(recording.recorded)
+    assert cache.get_seq_length() == 0  # (nothing stored)
