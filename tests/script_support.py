@@ -20,3 +20,10 @@ def load_script(name: str) -> ModuleType:
     sys.modules[name] = module  # (dataclasses resolve annotations through sys.modules)
     spec.loader.exec_module(module)
     return module
+
+
+def provenance_of(*command: str) -> dict:
+    """The provenance of a result written by ``command`` (:func:`kvsieve.provenance.provenance`'s fields, placeholder
+    values), for the tests that render a script's result."""
+    return {"command": list(command), "cpu": {"name": "x", "flags": []}, "threads": 2, "versions": {}, "kvsieve": "0",
+            "commit": None, "date": "today"}  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from script_support import load_script
+from script_support import load_script, provenance_of
 
 from kvsieve.results import render_file
 
@@ -34,8 +34,7 @@ def test_a_grid_renders_its_decode_steps_beside_the_plain_model(tmp_path) -> Non
     }  # fmt: skip
     rows = [{"policy": "full", "first_token_s": 2.0, "answer_s": 0.5, "tokens": 4, "correct": True}]
     result = {"length": 100, "dtype": "float32", "rows": rows, "grid": grid, "peak_rss_gib": 1.0}
-    provenance = {"command": ["scripts/ruler_cost.py", "--grid"], "cpu": {"name": "x", "flags": []}, "threads": 2,
-                  "versions": {}, "kvsieve": "0", "commit": None, "date": "today"}  # fmt: skip
+    provenance = provenance_of("scripts/ruler_cost.py", "--grid")
     (tmp_path / "c.json").write_text(json.dumps({"results": [result], "provenance": provenance}))
     page = render_file(tmp_path / "c.json")
     assert "1 prompt pass(es); the answers' 7 decode steps" in page

@@ -7,7 +7,7 @@ import copy
 import json
 
 import torch
-from script_support import load_script
+from script_support import load_script, provenance_of
 
 import kvsieve.ruler.predict as ruler_predict
 from kvsieve.results import render_file
@@ -57,8 +57,7 @@ def test_the_comparison_renders(tmp_path) -> None:
         "speedup": 1.25,
         "peak_rss_gib": 7.0,
     }
-    provenance = {"command": ["scripts/ruler_overlap.py", "--samples", "2"], "cpu": {"name": "x", "flags": []},
-                  "threads": 2, "versions": {}, "kvsieve": "0", "commit": None, "date": "today"}  # fmt: skip
+    provenance = provenance_of("scripts/ruler_overlap.py", "--samples", "2")
     (tmp_path / "o.json").write_text(json.dumps({"results": [result], "provenance": provenance}))
     page = render_file(tmp_path / "o.json")
     assert "**1.25× faster** with the next samples joining; 220 of the 226 answers" in page

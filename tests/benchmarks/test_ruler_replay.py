@@ -7,7 +7,7 @@ import copy
 import json
 
 import torch
-from script_support import load_script
+from script_support import load_script, provenance_of
 
 from kvsieve.results import render_file
 from kvsieve.ruler import run
@@ -53,8 +53,7 @@ def test_the_comparison_renders(tmp_path) -> None:
         "same_caches": 113,
         "peak_rss_gib": 4.1,
     }
-    provenance = {"command": ["scripts/ruler_replay.py", "--groups", "2"], "cpu": {"name": "x", "flags": []},
-                  "threads": 2, "versions": {}, "kvsieve": "0", "commit": None, "date": "today"}  # fmt: skip
+    provenance = provenance_of("scripts/ruler_replay.py", "--groups", "2")
     (tmp_path / "r.json").write_text(json.dumps({"result": result, "provenance": provenance}))
     page = render_file(tmp_path / "r.json")
     assert "the later groups **2.11× faster** replaying the first group's pass, all groups 1.34×" in page
