@@ -49,7 +49,7 @@ def fill(model, prompt: tuple, groups: list[list], replay: bool) -> tuple[list[f
         seconds.append(time.perf_counter() - start)
         held += [[layer.held_positions() for layer in row.cache.layers] for row in rows]
         del rows
-    return seconds, held, 0 if prompt_pass is None else prompt_pass.nbytes
+    return seconds, held, 0 if prompt_pass is None else prompt_pass.recorded.nbytes
 
 
 def measure(model_name: str, length: int, dtype: str, count: int, rounds: int) -> dict:

@@ -182,11 +182,6 @@ class PromptPass:
         self.recorded: RecordedPass | None = None
         self.token = -1
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the recorded pass holds (0 before the pass)."""
-        return 0 if self.recorded is None else self.recorded.nbytes
-
     def fill(self, model: PreTrainedModel, ids: torch.Tensor, caches: list[SieveCache], ends: list[int | None]) -> int:
         """Fill ``caches`` from the prompt ``ids`` (cache ``i`` its first ``ends[i]`` tokens, None: all) and return
         the prompt's greedy next token: by the model's pass, recorded, the first time; by replaying it after."""
