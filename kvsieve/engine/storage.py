@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, past, recent, split
+from kvsieve.engine.quant import PLAIN, Codec, KVQuant, Residual, as_integers, past, recent, split
 from kvsieve.policies import Slots
 
 GROWTH = 64  # minimum slots added when a buffer grows
@@ -371,21 +371,11 @@ def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:
     return out
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` seen as integers of its element size (a view; ``t`` itself unless floating point): slots are moved bit
-    for bit, and on the CPU torch's scatter and gather of bf16 and fp16 run several times slower than of integers
-    (one decode token's keys: about 60 µs against 3)."""
-    return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
-
-
 def _gathered(t: torch.Tensor, index: torch.Tensor, capacity: int) -> torch.Tensor:
     """The slots ``index`` of ``t`` first, in a buffer of ``capacity`` slots: ``t`` itself when it has that many (the
     buffers stay where they are from step to step, as CUDA graphs need), else a new one (a prompt-sized buffer is
     freed)."""
-    kept = bits(t).gather(2, expand_index(index, t)).view(t.dtype)
+    kept = as_integers(t).gather(2, expand_index(index, t)).view(t.dtype)
     out = t if t.shape[2] == capacity else t.new_empty((t.shape[0], t.shape[1], capacity, *t.shape[3:]))
     out[:, :, : index.shape[2]] = kept
     return out
@@ -415,7 +405,7 @@ def _put(
         if t.shape[3:] not in index:
             index[t.shape[3:]] = (expand or expand_index)(stale, t)
         if isinstance(new, torch.Tensor):
-            bits(t).scatter_(2, index[t.shape[3:]], bits(new.to(t.dtype)))
+            as_integers(t).scatter_(2, index[t.shape[3:]], as_integers(new.to(t.dtype)))
         else:
             t.scatter_(2, index[t.shape[3:]], new)
 
@@ -423,5 +413,5 @@ def _put(
 def _move_slot(tensors: Iterable[torch.Tensor], src: int, dst: torch.Tensor) -> None:
     """In place: for each (row, head), copy slot ``src`` into slot ``dst[b, h, 0]`` of every slot tensor."""
     for t in tensors:
-        t = bits(t)
+        t = as_integers(t)
         t.scatter_(2, expand_index(dst, t), t[:, :, src : src + 1].clone())  # the source must not alias the destination

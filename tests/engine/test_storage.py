@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.engine.storage import SlotStore, bits
+from kvsieve.engine.quant import as_integers
+from kvsieve.engine.storage import SlotStore
 
 SPECIAL = torch.tensor([-0.0, float("inf"), float("-inf"), 1.5, -2.25, 65504.0])
 
@@ -13,9 +14,10 @@ SPECIAL = torch.tensor([-0.0, float("inf"), float("-inf"), 1.5, -2.25, 65504.0])
 def _tokens(n: int, first: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[2, 2, n, 6]`` of distinct tokens, with values each dtype holds exactly (-0.0 and infinities
     among them)."""
-    base = torch.arange(first, first + n, dtype=torch.float64)[None, None, :, None] * torch.tensor([1.0, 8.0])[
-        None, :, None, None
-    ]
+    base = (
+        torch.arange(first, first + n, dtype=torch.float64)[None, None, :, None]
+        * torch.tensor([1.0, 8.0])[None, :, None, None]
+    )
     keys = (base.expand(2, 2, n, 6) + torch.arange(6)).mul(torch.tensor([1.0, -1.0])[:, None, None, None])
     keys[..., 0] = SPECIAL[torch.arange(n) % len(SPECIAL)]
     return keys.to(dtype), (-keys).to(dtype)
@@ -42,5 +44,5 @@ def test_half_precision_slots_hold_exactly_what_float32_slots_hold(dtype: torch.
     assert torch.equal(half.held_state()["score"], reference.held_state()["score"])
     for got, want in zip(half.decoded(), reference.decoded(), strict=True):
         assert got.dtype == dtype
-        assert torch.equal(bits(got), bits(want.to(dtype)))  # (bit for bit: -0.0 stays negative)
+        assert torch.equal(as_integers(got), as_integers(want.to(dtype)))  # (bit for bit: -0.0 stays negative)
     assert bool(torch.signbit(half.decoded()[0][..., 0]).any())
