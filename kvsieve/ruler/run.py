@@ -270,7 +270,8 @@ def run_ruler(
                     yield sample, prompter.ids(sample.context, sample.question, sample.answer_prefix), lacking
 
     total = sum(samples - len(c.predictions) for *_, cells in todo for c in cells.values())
-    with tqdm(total=total, desc="ruler", unit="answer", disable=not progress) as bar:
+    # (answers end in bursts, a sample's short ones together: the time left is estimated from the run's mean rate)
+    with tqdm(total=total, desc="ruler", unit="answer", smoothing=0, disable=not progress) as bar:
         if ray is None:
             taken: list[tuple[Sample, dict[Setting, _Cell]]] = []
 
