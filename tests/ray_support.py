@@ -97,8 +97,8 @@ def local(args: dict[str, Any]) -> dict[str, Any]:
     save = sweep._save_cell
 
     def counted(out: Path, cell: sweep.Cell, *rest: Any) -> None:
-        writes.append(cell.key)
         save(out, cell, *rest)
+        writes.append(cell.key)  # (after the file is in place: the Ctrl-C scenario interrupts on seeing it)
 
     sweep._save_cell = counted
     settings = sweep.Settings(**args["settings"])
