@@ -6,7 +6,7 @@ torch statement."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,6 +99,11 @@ class ScoreRule:
     pool: int = 0
     gain: int = 0
 
+    @property
+    def observed(self) -> ScoreRule:
+        """The fields the observation reads (``kept`` and ``pool`` choose among the scores, they do not make them)."""
+        return replace(self, kept=Pattern(keep=0), pool=0)
+
     def logit_scale(self, query_pos: torch.Tensor) -> torch.Tensor:
         """``[B, c]`` fp32: :func:`step_gain` at ``gain`` of the rows at ``query_pos`` ``[B, c]`` (the tokens they
         have seen: their position + 1)."""
@@ -117,6 +122,11 @@ class LowMarks:
     recent: int
     drop: int
     by_step: bool
+
+    @property
+    def observed(self) -> LowMarks:
+        """The fields the marking reads (``recent`` and ``drop`` choose among the marked, they do not mark)."""
+        return replace(self, recent=0, drop=1)
 
 
 @dataclass(frozen=True)

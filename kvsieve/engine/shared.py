@@ -5,10 +5,12 @@
   and evicts after it (:class:`~kvsieve.engine.layer.SieveLayer`), so the pass's keys, values and outputs, and the
   attention each policy observes, are those of every cache alone: the pass computes them once, hands each policy
   its own rows of the same attention (the last ``observed_rows()`` of its ``end``, blocks in order, as its own step
-  would), and each cache evicts by its own rule. The attention is the explicit one over the rows any policy
-  observes and the fused kernel over the rows none does, as a layer alone computes it: a cache alone computes the
-  rows its policy skips with the fused kernel, so outputs and scores agree with running each cache alone up to the
-  rounding of the two kernels (the tests check that the kept tokens and the answers are the same).
+  would), and each cache evicts by its own rule. Policies that observe alike over the same rows
+  (:meth:`~kvsieve.policies.base.Policy.observes_as`: ``h2o`` and the ``h2o+`` policies at any budget, say) observe
+  once: the others get a copy of the state. The attention is the explicit one over the rows any policy observes and
+  the fused kernel over the rows none does, as a layer alone computes it: a cache alone computes the rows its policy
+  skips with the fused kernel, so outputs and scores agree with running each cache alone up to the rounding of the
+  two kernels (the tests check that the kept tokens and the answers are the same).
 - :class:`StackedRows`: one batch whose rows are held by several caches (cache ``i`` holds the next ``B_i`` rows),
   each row at its own position (caches of different prompts stack): the model's layers run on the whole batch, and
   each cache attends, observes and evicts its own rows under its own policy. Rows are removed with
@@ -29,7 +31,7 @@ row is at the same one) and a padding mask over caches that have seen different 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 from typing import Any
@@ -162,6 +164,8 @@ class _SharedLayer(_Together):
             raise ValueError(refused)
         self.pending = None
         watchers = []  # (layer, its slots, its end, its first observed row)
+        alike: dict[Hashable, Slots] = {}  # (what a policy observes, over which rows) → the slots of its observer
+        copies = []  # (layer, its slots, its observer's slots)
         for sub, end in zip(self.subs, self.ends, strict=True):
             view = sub.store_prompt()
             if not sub.observes:  # (it evicts now: its prompt-sized buffer is not held through the attention)
@@ -169,7 +173,15 @@ class _SharedLayer(_Together):
                 continue
             end = q if end is None else end
             rows = sub.policy.observed_rows()
-            watchers.append((sub, view, end, 0 if rows is None else max(0, end - rows)))
+            first = 0 if rows is None else max(0, end - rows)
+            like = sub.policy.observes_as()
+            key = None if like is None else (like, sub.policy.reads_kv, end, first)
+            if key in alike:
+                copies.append((sub, view, alike[key]))
+                continue
+            if key is not None:
+                alike[key] = view
+            watchers.append((sub, view, end, first))
         positions = torch.arange(q, device=keys.device)
         key_pos, query_pos = positions.expand(bsz, heads, q), positions.expand(bsz, q)
         seen = Visibility(causal_tail=True)
@@ -191,7 +203,10 @@ class _SharedLayer(_Together):
 
             late = (query[:, :, head:], keys, values, key_pos, query_pos[:, head:], args, seen)
             outs.append(observed_attention(*late, observe, step_rows=q)[0])
-        for sub, view, *_ in watchers:
+        for _, view, observer in copies:
+            for name, state in view.state.items():
+                state.copy_(observer.state[name])
+        for sub, view, *_ in [*watchers, *copies]:
             sub.close_prompt(view)
         if self.record:
             self.recorded = LayerInputs(query, keys, values, mask, args)

@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -270,6 +270,13 @@ class Policy:
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         """Accumulate statistics from one block of query rows (override it to get probabilities at all)."""
+
+    def observes_as(self) -> Hashable | None:
+        """What :meth:`observe` computes, as a value that is equal for two policies whose observations of the same rows
+        leave the same state (their :meth:`state_spec` alike, starting at zero), or None: like no other (the
+        default). A shared prompt's pass (:class:`~kvsieve.engine.shared.SharedPrompt`) has the policies of one
+        value observe once: the state is copied to the others."""
+        return None
 
     def observed_rows(self) -> int | None:
         """How many of a step's last query rows :meth:`observe` counts (None: every row). What it leaves from the

@@ -15,6 +15,7 @@ The positional family (a :class:`~kvsieve.engine.rules.Pattern`) is
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -89,6 +90,9 @@ class ScorePolicy(Policy):
         else:  # (the step's last row: its last block is observed last)
             slots.state["score"].copy_(probs[:, :, -1])
 
+    def observes_as(self) -> Hashable | None:
+        return self.scores.observed if type(self).observe is ScorePolicy.observe else None
+
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         rule, score = self.scores, slots.state["score"]
         kept = rule.kept.kept(slots.pos, slots.last)
@@ -137,6 +141,9 @@ class MarksPolicy(_BulkPolicy):
 
     def observed_rows(self) -> int:
         return self.rule.window  # (the last w rows rewrite every column of the ring)
+
+    def observes_as(self) -> Hashable | None:
+        return self.rule.observed if type(self).observe is MarksPolicy.observe else None
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         w = self.rule.window

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -98,6 +98,9 @@ class H2O(ScorePolicy):
         h = TRANSFORMS[self.params.transform]
         probs = obs.logits.softmax(dim=-1)
         accumulate(slots.state["score"], group_sum(h(torch.ones_like(probs)) - h(1 - probs), obs.query_pos))
+
+    def observes_as(self) -> Hashable | None:
+        return self.scores.observed if self.params.transform == "identity" else None  # (then the family's observe)
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         if not self.params.normalize:

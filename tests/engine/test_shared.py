@@ -13,6 +13,7 @@ import torch
 import kvsieve
 from kvsieve.engine.memory import recorded_pass_bytes
 from kvsieve.engine.shared import SharedPrompt, StackedRows
+from kvsieve.policies import REGISTRY
 
 PROMPT, CONTEXT = 48, 37  # (the question-agnostic caches take the first CONTEXT tokens)
 SETTINGS = [  # (policy, budget, end, make_cache keywords)
@@ -29,6 +30,11 @@ SETTINGS = [  # (policy, budget, end, make_cache keywords)
     ("local", 0.5, None, {}),
     ("h2o:recent=0,normalize=true", 0.5, None, {}),
     ("full", None, None, {}),
+    # (observing as settings above, over the same rows: their states are copies)
+    ("h2o+local", 0.25, None, {}),
+    ("h2o+strided", 0.5, CONTEXT, {"decode_budget": None}),
+    ("scissorhands", 0.3, None, {}),
+    ("tova", 0.3, None, {}),
 ]
 
 
@@ -79,6 +85,29 @@ def test_shared_prompt_fills_each_cache_as_alone_and_stacked_rows_decode_as_alon
         for row, solo in enumerate(alone):
             want = torch.cat([model(feeds[row : row + 1, t : t + 1], cache=solo).logits for t in range(len(got[row]))])
             torch.testing.assert_close(torch.cat(got[row]), want.squeeze(1), rtol=1e-9, atol=1e-9, msg=SETTINGS[row][0])
+
+
+def test_policies_that_observe_alike_over_the_same_rows_observe_once(tiny_models, make_ids, monkeypatch) -> None:
+    model = tiny_models("llama_gqa", torch.float32)
+    caches, observers = _caches(model), set()
+    for cls in {c for policy in REGISTRY.values() for c in policy.__mro__ if "observe" in vars(c)}:
+
+        def counted(self, slots, obs, observe=cls.observe) -> None:
+            observers.add(id(self))
+            observe(self, slots, obs)
+
+        monkeypatch.setattr(cls, "observe", counted)
+    with torch.inference_mode():
+        model(make_ids(1, PROMPT, seed=4), cache=SharedPrompt(caches, [end for _, _, end, _ in SETTINGS]))
+    observed = {
+        f"{policy}@{budget}/{end}"
+        for (policy, budget, end, _), cache in zip(SETTINGS, caches, strict=True)
+        if any(id(layer.policy) in observers for layer in cache.layers)
+    }
+    assert observed == {
+        "h2o@0.5/None", "h2o@0.25/37", "tova@0.5/None", "snapkv@0.5/37", "snapkv@16/None", "scissorhands@0.5/None",
+        "ahakv@0.5/None", "ahakv@0.3/37",
+    }  # fmt: skip (h2o's normalize and recent, the h2o+ patterns, budgets: they keep differently, observe alike)
 
 
 def test_stacked_rows_of_batched_caches(tiny_models, make_ids) -> None:
