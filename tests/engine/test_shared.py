@@ -104,10 +104,11 @@ def test_policies_that_observe_alike_over_the_same_rows_observe_once(tiny_models
         for (policy, budget, end, _), cache in zip(SETTINGS, caches, strict=True)
         if any(id(layer.policy) in observers for layer in cache.layers)
     }
+    # (h2o's normalize and recent, the h2o+ patterns, budgets: they keep differently, they observe alike)
     assert observed == {
         "h2o@0.5/None", "h2o@0.25/37", "tova@0.5/None", "snapkv@0.5/37", "snapkv@16/None", "scissorhands@0.5/None",
         "ahakv@0.5/None", "ahakv@0.3/37",
-    }  # fmt: skip (h2o's normalize and recent, the h2o+ patterns, budgets: they keep differently, observe alike)
+    }  # fmt: skip
 
 
 def test_stacked_rows_of_batched_caches(tiny_models, make_ids) -> None:
