@@ -136,7 +136,13 @@ def tally(samples: list[dict], body: int, head: int, config: PretrainedConfig, r
                 sums[key][f"{phase}_tflop"] += work / 1e12
                 for dtype, r in rates.items():
                     sums[key][f"{phase}_{dtype}_s"] += work / r[phase]
-    return {key: {k: round(v, 3) for k, v in by.items()} for key, by in sums.items()}
+    return {key: {k: rounded(v) for k, v in by.items()} for key, by in sums.items()}
+
+
+def rounded(value: float) -> float:
+    """Three decimals, or three significant digits where three decimals would show a nonzero value as 0 (a tiny
+    model's seconds on a fast host)."""
+    return round(value, 3) if value == 0 or abs(value) >= 5e-4 else float(f"{value:.3g}")
 
 
 def timings(path: Path) -> dict:

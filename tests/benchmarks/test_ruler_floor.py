@@ -93,6 +93,10 @@ def test_a_grid_is_counted_from_its_cells_and_rendered(tiny_lm, tiny_dir, tmp_pa
     assert "A `niah_single_2` sample of 250 tokens" in page and "the grid's 2 `niah_single_2` samples" in page
 
 
+def test_a_tiny_phase_is_not_rounded_to_zero() -> None:
+    assert [script.rounded(v) for v in (0.0, 1234.56789, 0.0123456, 0.000123456)] == [0.0, 1234.568, 0.012, 0.000123]
+
+
 def test_cells_of_two_models_are_refused(tmp_path) -> None:
     (tmp_path / "cells").mkdir()
     for i, model in enumerate(["a", "b"]):
