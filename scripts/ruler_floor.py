@@ -142,7 +142,7 @@ def tally(samples: list[dict], body: int, head: int, config: PretrainedConfig, r
 def rounded(value: float) -> float:
     """Three decimals, or three significant digits where three decimals would show a nonzero value as 0 (a tiny
     model's seconds on a fast host)."""
-    return round(value, 3) if value == 0 or abs(value) >= 5e-4 else float(f"{value:.3g}")
+    return round(value, 3) if abs(value) >= 5e-4 else float(f"{value:.3g}")
 
 
 def timings(path: Path) -> dict:
