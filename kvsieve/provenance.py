@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_FLAGS", "cpu", "provenance"]
+__all__ = ["CPU_FLAGS", "cpu", "host", "provenance"]
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 """The CPU features that change this project's speeds (matrix products, bf16), reported when the host has them."""
@@ -33,6 +33,11 @@ def cpu() -> dict[str, Any]:
             elif key.strip() == "flags":
                 flags = set(value.split())
     return {"name": name, "flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count()}
+
+
+def host(cpu: dict[str, Any]) -> str:
+    """A :func:`cpu` in words: its name and the :data:`CPU_FLAGS` it has, e.g. ``Intel(R) Xeon(R) (avx2, avx512f)``."""
+    return f"{cpu['name']} ({', '.join(cpu['flags']) or 'no AVX2'})"
 
 
 def _version(package: str) -> str | None:

@@ -8,8 +8,8 @@ A page (README.md, docs/*.md) holds blocks::
 
 ``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json``, ``kvsieve
 bench --json`` (with or without a preset) or ``kvsieve reproduce --json`` (its claims table) printed, or
-``scripts/ruler_cost.py``, ``ruler_floor.py``, ``ruler_overlap.py``, ``ruler_replay.py`` or ``serve_soak.py --out``
-wrote; each carries its
+``scripts/ruler_cost.py``, ``ruler_floor.py``, ``ruler_overlap.py``, ``ruler_replay.py``, ``serve_soak.py --out`` or
+``kvpress_ruler.py`` (its ``kvpress_ruler.json``: the table over all tasks) wrote; each carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
 :func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvsieve.provenance import host
+
 __all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
 
 _BLOCK = re.compile(r"(<!-- results: (\S+)(?: (overview|claims))? -->\n)(.*?)(<!-- /results -->)", re.S)
@@ -43,12 +45,11 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 def _origin(result: dict[str, Any]) -> str:
     """One line: the command, model and dtype, host, versions, code and date of a result."""
     p = result["provenance"]
-    cpu = p["cpu"]
-    host = f"{cpu['name']} ({', '.join(cpu['flags']) or 'no AVX2'})" + (f", GPU {p['gpu']}" if "gpu" in p else "")
+    where = host(p["cpu"]) + (f", GPU {p['gpu']}" if "gpu" in p else "")
     versions = ", ".join(f"{name} {v}" for name, v in p["versions"].items() if v)
     model = " ".join(str(p[k]) for k in ("model", "dtype") if p.get(k))
     return (
-        f"*`{' '.join(p['command'])}` · {model} · {host}, {p['threads']} torch thread(s) · {versions} · kvsieve "
+        f"*`{' '.join(p['command'])}` · {model} · {where}, {p['threads']} torch thread(s) · {versions} · kvsieve "
         f"{p['kvsieve']} at {p['commit'] or 'an unknown commit'} · {p['date']}"
         + (f" · {p['note']}" if p.get("note") else "")
         + "*\n"
@@ -356,6 +357,38 @@ def _compiled_decode(result: dict[str, Any]) -> str:
     return md_table(header, rows) + "\n" + note
 
 
+def _kvpress_ruler(result: dict[str, Any]) -> str:
+    from kvsieve.ruler.scoring import plus_minus
+
+    def both(row: dict[str, Any], fmt: str, key: str) -> str:
+        mine, theirs = row["kvsieve"], row["kvpress"]
+        return f"{fmt.format(mine[key]) if mine else '—'} / {fmt.format(theirs[key])}"
+
+    rows = [
+        [
+            f"`{r['kvsieve_spec']}`" if r["kvsieve_spec"] else "—",
+            r["press"],
+            f"{r['compression']:g}" if r["compression"] else "—",
+            f"{r['tasks']} / {r['samples']}",
+            plus_minus(r["kvsieve"]["score"], r["kvsieve"]["stderr"]) if r["kvsieve"] else "—",
+            plus_minus(r["kvpress"]["score"], r["kvpress"]["stderr"]),
+            "—" if r["same_answer"] is None else f"{round(r['same_answer'] * r['samples'])} of {r['samples']}",
+            both(r, "{:.1f}", "seconds"),
+            both(r, "{:,.0f}", "rss_rise_mib"),
+        ]
+        for r in result["overview"]
+    ]
+    header = ["kvsieve", "kvpress", "c", "tasks / samples", "score kvsieve %", "score kvpress %", "same answer",
+              "s / sample", "RSS rise MiB"]  # fmt: skip
+    theirs = ", ".join(f"{k} {v}" for k, v in result["versions"]["kvpress"].items())
+    where = "; ".join(f"{h}: {n} answers" for h, n in result["hosts"].items())
+    return (
+        f"Question-agnostic, both sides fed the same token ids and keeping the same number of context tokens; "
+        f"scores ± standard error over the samples of all tasks pooled; kvsieve / kvpress in the paired columns; "
+        f"kvpress side: {theirs}. Answered on {where}.\n\n" + md_table(header, rows)
+    )
+
+
 def _reproduce(result: dict[str, Any]) -> str:
     from kvsieve.reproduce.claims import claims_table, tally
 
@@ -378,6 +411,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
         return _compiled_decode
     if Path(program).name == "serve_ray.py":
         return _serve_ray
+    if Path(program).name == "kvpress_ruler.py":
+        return _kvpress_ruler
     if command == "compare":
         return _compare
     if command == "reproduce":

@@ -76,16 +76,19 @@ a near-tied greedy token can flip; kvpress gathers the kept keys in score order 
 only the order of float sums.
 
 **Output** (``--out``, default ``out/kvpress_ruler``): ``records.jsonl`` (one line per answer: resumable, a rerun
-computes only what is missing for the same model, template, ids and limits), ``kvpress_ruler.json`` (settings,
-versions, git head, records, rows) and ``kvpress_ruler.md``: per task and length, each row's score on each side (mean
-± standard error, %), the share of samples both answered alike (stripped text), mean seconds per sample, the largest
-peak RSS and the mean rise, mean kept tokens, whether the ids were the same; the full cache's score from ``OUT/cells``
-when the ruler run computed it; then the answers that differ.
+computes only what is missing for the same model, template, ids and limits; each record names the CPU it was answered
+on), ``kvpress_ruler.json`` (provenance, settings, versions, git head, the hosts, records, rows per task and length and
+over all of them; :mod:`kvsieve.results` renders the latter on the long-context page) and ``kvpress_ruler.md``: over
+all tasks (their samples pooled) and per task and length, each row's score on each side (mean ± standard error, %),
+the share of samples both answered alike (stripped text), mean seconds per sample, the largest peak RSS and the mean
+rise, mean kept tokens, whether the ids were the same; the full cache's score from ``OUT/cells`` when the ruler run
+computed it; then the answers that differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -384,8 +387,9 @@ def record_key(settings: Settings, item: Item, compression: float, side: str, me
     }
 
 
-def make_record(key: dict[str, Any], item: Item, reply: dict[str, Any]) -> dict[str, Any]:
-    """One answer's record: its key, the answer and its score, what was measured, whether the ids fed were sent."""
+def make_record(key: dict[str, Any], item: Item, reply: dict[str, Any], cpu: dict[str, Any]) -> dict[str, Any]:
+    """One answer's record: its key, the answer and its score, what was measured, whether the ids fed were sent, and
+    the host's CPU (:func:`kvsieve.provenance.cpu`: a resumed run's records may come from several hosts)."""
     from kvsieve.ruler.scoring import score
 
     fields = ("answer", "answer_tokens", "seconds", "rss_peak_mib", "rss_rise_mib", "kept", "kept_min")
@@ -396,6 +400,7 @@ def make_record(key: dict[str, Any], item: Item, reply: dict[str, Any]) -> dict[
     }
     record["same_ids"] = reply["context_ids"] == item.head and reply["question_ids"] == item.tail
     record["pipeline_ids"] = reply.get("pipeline_ids")
+    record["cpu"] = cpu
     return record
 
 
@@ -615,6 +620,50 @@ def side_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+def _paired(
+    found: dict[tuple, dict[int, dict[str, Any]]], groups: Sequence[tuple[str, int]], c: float, method: str
+) -> dict[str, Any] | None:
+    """One row over ``groups`` (pooled): the samples both sides answered for ``method`` at ``c`` (a reference row:
+    those kvpress answered); None where there are none."""
+    at = 0.0 if method in UNCOMPRESSED else c
+    spec, press = kvsieve_spec(method), press_of(method)
+    pairs, tasks = [], 0
+    for task, length in groups:
+        s = found.get((task, length, at, "kvsieve", spec), {}) if spec is not None else {}
+        p = found.get((task, length, at, "kvpress", press), {})
+        indexes = sorted(p if spec is None else s.keys() & p.keys())
+        pairs += [(s.get(i), p[i]) for i in indexes]
+        tasks += bool(indexes)
+    if not pairs:
+        return None
+    row: dict[str, Any] = {"compression": at, "method": method, "kvsieve_spec": spec, "press": PRESS_NAMES[press]}
+    row |= {"samples": len(pairs), "tasks": tasks}
+    row["kvsieve"] = side_summary([a for a, _ in pairs if a is not None])
+    row["kvpress"] = side_summary([b for _, b in pairs])
+    paired = spec is not None
+    row["same_answer"] = statistics.fmean(a["answer"] == b["answer"] for a, b in pairs) if paired else None
+    row["same_kept"] = all(a["kept"] == b["kept"] for a, b in pairs) if paired else None
+    row["same_ids"] = all(r["same_ids"] for pair in pairs for r in pair if r is not None)
+    row["pipeline_ids"] = all(b["pipeline_ids"] for _, b in pairs)
+    return row
+
+
+def _found(records: Sequence[dict[str, Any]]) -> dict[tuple, dict[int, dict[str, Any]]]:
+    found: dict[tuple, dict[int, dict[str, Any]]] = {}
+    for r in records:
+        k = r["key"]
+        found.setdefault((k["task"], k["length"], k["compression"], k["side"], k["method"]), {})[k["index"]] = r
+    return found
+
+
+def _wanted(compressions: Sequence[float], methods: Sequence[str]) -> Iterator[tuple[float, str]]:
+    """Each compression and method of a table (an uncompressed method once, with the first compression)."""
+    for c in compressions:
+        for method in methods:
+            if method not in UNCOMPRESSED or c == compressions[0]:
+                yield c, method
+
+
 def summarize(
     records: Sequence[dict[str, Any]],
     groups: Sequence[tuple[str, int]],
@@ -623,35 +672,34 @@ def summarize(
 ) -> list[dict[str, Any]]:
     """One row per task, length, compression and method, over the samples both sides answered (a reference row: those
     kvpress answered)."""
-    found: dict[tuple, dict[int, dict[str, Any]]] = {}
-    for r in records:
-        k = r["key"]
-        found.setdefault((k["task"], k["length"], k["compression"], k["side"], k["method"]), {})[k["index"]] = r
+    found = _found(records)
     rows = []
     for task, length in groups:
-        for c in compressions:
-            for method in methods:
-                if method in UNCOMPRESSED and c != compressions[0]:
-                    continue
-                at = 0.0 if method in UNCOMPRESSED else c
-                spec, press = kvsieve_spec(method), press_of(method)
-                s = found.get((task, length, at, "kvsieve", spec), {}) if spec is not None else {}
-                p = found.get((task, length, at, "kvpress", press), {})
-                indexes = sorted(p if spec is None else s.keys() & p.keys())
-                if not indexes:
-                    continue
-                pairs = [(s.get(i), p[i]) for i in indexes]
-                row: dict[str, Any] = {"task": task, "length": length, "compression": at, "method": method}
-                row |= {"kvsieve_spec": spec, "press": PRESS_NAMES[press], "samples": len(indexes)}
-                row["kvsieve"] = side_summary([a for a, _ in pairs if a is not None])
-                row["kvpress"] = side_summary([b for _, b in pairs])
-                paired = spec is not None
-                row["same_answer"] = statistics.fmean(a["answer"] == b["answer"] for a, b in pairs) if paired else None
-                row["same_kept"] = all(a["kept"] == b["kept"] for a, b in pairs) if paired else None
-                row["same_ids"] = all(r["same_ids"] for pair in pairs for r in pair if r is not None)
-                row["pipeline_ids"] = all(b["pipeline_ids"] for _, b in pairs)
-                rows.append(row)
+        for c, method in _wanted(compressions, methods):
+            row = _paired(found, [(task, length)], c, method)
+            if row is not None:
+                rows.append({"task": task, "length": length, **row})
     return rows
+
+
+def overview(
+    records: Sequence[dict[str, Any]],
+    groups: Sequence[tuple[str, int]],
+    compressions: Sequence[float],
+    methods: Sequence[str],
+) -> list[dict[str, Any]]:
+    """One row per compression and method over every task and length at once (the samples pooled; ``tasks``: how
+    many of ``groups`` contributed)."""
+    found = _found(records)
+    rows = (_paired(found, groups, c, method) for c, method in _wanted(compressions, methods))
+    return [row for row in rows if row is not None]
+
+
+def hosts(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Each host the records were answered on (:func:`kvsieve.provenance.host`) → how many answers, most first."""
+    from kvsieve.provenance import host
+
+    return dict(collections.Counter(host(r["cpu"]) for r in records).most_common())
 
 
 def differing(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -727,9 +775,16 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     return cells
 
 
+def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)] + [
+        "| " + " | ".join(c) + " |" for c in table_rows(rows)
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The report: a header, then per task and length its table (and the full cache's score from the ruler run's
-    cells, if any), then the answers that differ."""
+    """The report: a header (with the hosts), the table over all tasks where there are several, then per task and
+    length its table (and the full cache's score from the ruler run's cells, if any), then the answers that
+    differ."""
     from kvsieve.ruler.scoring import plus_minus
 
     versions = "; ".join(", ".join(f"{k} {v}" for k, v in result["versions"][s].items()) for s in SIDES)
@@ -739,17 +794,19 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Model `{result['model']}`, fp32, {result['threads']} thread(s) a side, {mode}; samples from "
         f"`{result['ruler_out']}`; git `{result['git']}`; {versions}.",
+        "Answered on " + "; ".join(f"{h}: {n} answers" for h, n in result["hosts"].items()) + ".",
         "Scores in % (± standard error); kvsieve / kvpress in the paired columns; `kept`: context tokens kept (mean).",
     ]
     rows = result["rows"]
-    for task, length in dict.fromkeys((r["task"], r["length"]) for r in rows):
+    groups = dict.fromkeys((r["task"], r["length"]) for r in rows)
+    if len(groups) > 1:
+        lines += ["", f"## All {len(groups)} tasks and lengths (their samples pooled)", "", *_table(result["overview"])]
+    for task, length in groups:
         mine = [r for r in rows if (r["task"], r["length"]) == (task, length)]
         ceiling = result["full_cache"].get(f"{task}_{length}")
         note = f"; full cache in the ruler run: {plus_minus(ceiling['score'], ceiling['stderr'])}" if ceiling else ""
         n = max(r["samples"] for r in mine)
-        lines += ["", f"## {task}, {length} tokens ({n} sample{'s' * (n != 1)}{note})", ""]
-        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(c) + " |" for c in table_rows(mine)]
+        lines += ["", f"## {task}, {length} tokens ({n} sample{'s' * (n != 1)}{note})", "", *_table(mine)]
     differ = result["differing"]
     if differ:
         lines += ["", f"## Answers that differ ({len(differ)})", ""]
@@ -785,10 +842,14 @@ def full_cache(ruler_out: Path, records: Sequence[dict[str, Any]]) -> dict[str, 
 # --- the run ----------------------------------------------------------------------------------------------------
 
 
-def run(settings: Settings, items: Sequence[Item]) -> dict[str, Any]:
-    """Every item × compression × method not stored yet on both sides; the result (settings, versions, records,
-    rows)."""
+def run(settings: Settings, items: Sequence[Item], command: Sequence[str]) -> dict[str, Any]:
+    """Every item × compression × method not stored yet on both sides; the result (its provenance, settings,
+    versions, hosts, records, rows per task and over all tasks). ``command``: the arguments it was run with."""
     from tqdm import tqdm
+
+    from kvsieve.provenance import cpu, provenance
+
+    here = cpu()
 
     if settings.build_venv and not venv_ready(settings.venv):
         build_venv(settings.venv)
@@ -830,7 +891,7 @@ def run(settings: Settings, items: Sequence[Item]) -> dict[str, Any]:
 
                 def done(side: str, method: str, reply: dict[str, Any], item: Item = item, c: float = c) -> None:
                     key = record_key(settings, item, c, side, method)
-                    record = make_record(key, item, reply)
+                    record = make_record(key, item, reply, here)
                     stored[json.dumps(key, sort_keys=True)] = record
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
@@ -846,7 +907,9 @@ def run(settings: Settings, items: Sequence[Item]) -> dict[str, Any]:
     keys = [json.dumps(record_key(settings, item, c, side, m), sort_keys=True) for item, c, _ in wanted
             for side, methods in jobs(settings, item, c).items() for m in methods]  # fmt: skip
     records = [stored[k] for k in keys if k in stored]  # (this run's, in the order asked)
+    details = {"model": settings.model_name, "dtype": "float32", "threads": settings.threads}
     return {
+        "provenance": provenance(["scripts/kvpress_ruler.py", *command], **details),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
         "model": settings.model_name,
         "ruler_out": str(settings.ruler_out),
@@ -856,6 +919,8 @@ def run(settings: Settings, items: Sequence[Item]) -> dict[str, Any]:
         "versions": versions,
         "git": git_head(),
         "full_cache": full_cache(settings.ruler_out, records),
+        "hosts": hosts(records),
+        "overview": overview(records, settings.groups, settings.compressions, settings.methods),
         "rows": summarize(records, settings.groups, settings.compressions, settings.methods),
         "differing": differing(records),
         "records": records,
@@ -863,6 +928,7 @@ def run(settings: Settings, items: Sequence[Item]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         settings = check_args(parse_args(argv))
         from transformers import AutoTokenizer
@@ -870,7 +936,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         items = plan(settings, AutoTokenizer.from_pretrained(settings.model))
     except ValueError as e:
         sys.exit(f"kvpress_ruler: error: {e}")
-    result = run(settings, items)
+    result = run(settings, items, argv)
     report = markdown(result)
     write_report(settings.out, "kvpress_ruler", result, report)
     print(report)

@@ -274,12 +274,18 @@ def test_sides_alternate_one_at_a_time_or_both_at_once(parallel):
 # --- summary and report -----------------------------------------------------------------------------------------
 
 
-def _rec(index: int, side: str, method: str, answer: str, score: float, seconds: float, kept: int = 50, c=0.5) -> dict:
-    key = {"task": "niah_single_1", "length": 4096, "index": index, "compression": c, "side": side, "method": method}
+CPU = {"name": "Intel(R) Xeon(R) Processor", "flags": ["avx2", "avx512f"], "cores": 2}
+
+
+def _rec(
+    index: int, side: str, method: str, answer: str, score: float, seconds: float, kept: int = 50, c=0.5,
+    task: str = "niah_single_1",
+) -> dict:  # fmt: skip
+    key = {"task": task, "length": 4096, "index": index, "compression": c, "side": side, "method": method}
     return {
         "key": key, "answer": answer, "answer_tokens": 3, "seconds": seconds, "rss_peak_mib": 2000.0 + seconds,
         "rss_rise_mib": 10.0 * seconds, "kept": kept, "kept_min": kept, "score": score, "same_ids": True,
-        "pipeline_ids": True if side == "kvpress" else None,
+        "pipeline_ids": True if side == "kvpress" else None, "cpu": CPU,
     }  # fmt: skip
 
 
@@ -310,17 +316,70 @@ def test_summary_pairs_the_samples_both_sides_answered():
     assert (expected["samples"], expected["kvpress"]["score"], expected["press"]) == (2, 50.0, "ExpectedAttentionPress")
 
 
+OTHER_TASK = [
+    _rec(0, "kvsieve", "tova", "blue", 0.0, 8.0, task="qa"),
+    _rec(0, "kvpress", "tova", "blue", 0.0, 2.0, task="qa"),
+    _rec(0, "kvpress", "expected_attention", "red", 1.0, 1.0, task="qa") | {"cpu": CPU | {"name": "AMD EPYC"}},
+]
+GROUPS = [("niah_single_1", 4096), ("qa", 4096)]
+
+
+def test_overview_pools_the_samples_of_every_task():
+    rows = ruler.overview([*RECORDS, *OTHER_TASK], GROUPS, [0.5], ["tova", "expected_attention"])
+    tova, expected = rows
+    assert (tova["tasks"], tova["samples"], tova["same_answer"], tova["compression"]) == (2, 3, 2 / 3, 0.5)
+    assert tova["kvsieve"]["score"] == pytest.approx(200 / 3) and tova["kvpress"]["score"] == pytest.approx(100 / 3)
+    assert (tova["kvsieve"]["seconds"], tova["kvpress"]["seconds"]) == (pytest.approx(14 / 3), 4.0)
+    assert (expected["tasks"], expected["samples"], expected["kvsieve"]) == (2, 3, None)
+    per_task = ruler.summarize([*RECORDS, *OTHER_TASK], GROUPS, [0.5], ["tova"])
+    assert [(r["task"], r["tasks"], r["samples"]) for r in per_task] == [("niah_single_1", 1, 2), ("qa", 1, 1)]
+    assert ruler.hosts([*RECORDS, *OTHER_TASK]) == {
+        "Intel(R) Xeon(R) Processor (avx2, avx512f)": 11, "AMD EPYC (avx2, avx512f)": 1,
+    }  # fmt: skip
+
+
+def _result(tmp_path: Path, records: list[dict], groups: list, methods: list[str]) -> dict:
+    return {
+        "model": "qwen2.5-coder-0.5b", "ruler_out": str(tmp_path), "threads": 1, "parallel": False, "git": "abc1234",
+        "versions": {"kvsieve": {"kvsieve": "0.1.0"}, "kvpress": {"kvpress": "0.5.5", "transformers": "5.2.0"}},
+        "full_cache": ruler.full_cache(tmp_path, records), "hosts": ruler.hosts(records),
+        "overview": ruler.overview(records, groups, [0.5], methods),
+        "rows": ruler.summarize(records, groups, [0.5], methods), "differing": ruler.differing(records),
+    }  # fmt: skip
+
+
+def test_report_over_several_tasks_and_its_rendering(tmp_path):
+    result = _result(tmp_path, [*RECORDS, *OTHER_TASK], GROUPS, ["tova", "expected_attention"])
+    md = ruler.markdown(result).splitlines()
+    assert md[3] == (
+        "Answered on Intel(R) Xeon(R) Processor (avx2, avx512f): 11 answers; AMD EPYC (avx2, avx512f): 1 answers."
+    )
+    first = md.index("## All 2 tasks and lengths (their samples pooled)")
+    assert md[first + 4].startswith("| `tova` | TOVAPress | 0.5 | 66.7 ± 33.3 | 33.3 ± 33.3 | 67% of 3 | 4.7 / 4.0 |")
+    assert md.index("## qa, 4096 tokens (1 sample)") > md.index("## niah_single_1, 4096 tokens (2 samples)") > first
+    one_task = _result(tmp_path, RECORDS, GROUPS[:1], ["tova"])
+    assert not any(line.startswith("## All") for line in ruler.markdown(one_task).splitlines())
+
+    from kvsieve.provenance import provenance
+    from kvsieve.results import render_file
+
+    result["provenance"] = provenance(["scripts/kvpress_ruler.py", "--samples", "1"], model="qwen2.5-coder-0.5b")
+    (tmp_path / "kvpress_ruler.json").write_text(json.dumps(result))
+    text = render_file(tmp_path / "kvpress_ruler.json").splitlines()
+    assert "kvpress side: kvpress 0.5.5, transformers 5.2.0. Answered on Intel(R) Xeon(R) Processor" in text[0]
+    assert text[2].startswith("| kvsieve | kvpress | c | tasks / samples | score kvsieve % |")
+    assert text[4] == "| `tova` | TOVAPress | 0.5 | 2 / 3 | 66.7 ± 33.3 | 33.3 ± 33.3 | 2 of 3 | 4.7 / 4.0 | 47 / 40 |"
+    assert text[5] == "| — | ExpectedAttentionPress | 0.5 | 2 / 3 | — | 66.7 ± 33.3 | — | — / 2.3 | — / 23 |"
+    assert text[-1].startswith("*`scripts/kvpress_ruler.py --samples 1` · qwen2.5-coder-0.5b · ")
+
+
 def test_report_from_fixed_records(tmp_path):
     cells = tmp_path / "cells"
     cells.mkdir()
     predictions = {str(i): {"text": "x", "score": s} for i, s in enumerate([1.0, 0.0, 1.0])}
     (cells / "niah_single_1_4096_full.json").write_text(json.dumps({"settings": {}, "predictions": predictions}))
-    rows = ruler.summarize(RECORDS, [("niah_single_1", 4096)], [0.5], ["tova", "expected_attention"])
-    result = {
-        "model": "qwen2.5-coder-0.5b", "ruler_out": str(tmp_path), "threads": 1, "parallel": False, "git": "abc1234",
-        "versions": {"kvsieve": {"kvsieve": "0.1.0"}, "kvpress": {"kvpress": "0.5.5", "transformers": "5.2.0"}},
-        "full_cache": ruler.full_cache(tmp_path, RECORDS), "rows": rows, "differing": ruler.differing(RECORDS),
-    }  # fmt: skip
+    result = _result(tmp_path, RECORDS, [("niah_single_1", 4096)], ["tova", "expected_attention"])
+    rows = result["rows"]
     assert result["full_cache"] == {"niah_single_1_4096": {"score": 50.0, "stderr": 50.0, "samples": 2}}
     assert result["differing"] == [
         {"task": "niah_single_1", "length": 4096, "index": 1, "compression": 0.5, "method": "tova",
@@ -349,10 +408,11 @@ def test_records_score_the_answer_and_check_the_ids_fed(real_ruler_dir, tokenize
         "kept": 30, "kept_min": 30, "context_ids": item.head, "question_ids": item.tail, "pipeline_ids": True,
     }  # fmt: skip
     key = ruler.record_key(settings, item, 0.5, "kvpress", "tova")
-    record = ruler.make_record(key, item, reply)
+    record = ruler.make_record(key, item, reply, CPU)
     assert record["score"] == 1.0 and record["same_ids"] and record["pipeline_ids"] and record["key"] == key
-    assert not ruler.make_record(key, item, reply | {"question_ids": item.tail[:-1]})["same_ids"]
-    assert ruler.make_record(key, item, reply | {"answer": "42"})["score"] == 0.0
+    assert record["cpu"] == CPU
+    assert not ruler.make_record(key, item, reply | {"question_ids": item.tail[:-1]}, CPU)["same_ids"]
+    assert ruler.make_record(key, item, reply | {"answer": "42"}, CPU)["score"] == 0.0
     out = tmp = real_ruler_dir / "records.jsonl"
     tmp.write_text(json.dumps(record) + "\n")
     assert ruler.load_records(out) == {json.dumps(key, sort_keys=True): record}
