@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_FLAGS", "cpu", "host", "provenance"]
+__all__ = ["CPU_FLAGS", "answered_on", "cpu", "host", "provenance"]
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 """The CPU features that change this project's speeds (matrix products, bf16), reported when the host has them."""
@@ -38,6 +38,11 @@ def cpu() -> dict[str, Any]:
 def host(cpu: dict[str, Any]) -> str:
     """A :func:`cpu` in words: its name and the :data:`CPU_FLAGS` it has, e.g. ``Intel(R) Xeon(R) (avx2, avx512f)``."""
     return f"{cpu['name']} ({', '.join(cpu['flags']) or 'no AVX2'})"
+
+
+def answered_on(hosts: dict[str, int]) -> str:
+    """Hosts (as :func:`host` words them) and how many answers each gave, in words: ``A: 3 answers; B: 1 answers``."""
+    return "; ".join(f"{h}: {n} answers" for h, n in hosts.items())
 
 
 def _version(package: str) -> str | None:

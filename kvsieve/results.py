@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvsieve.provenance import host
+from kvsieve.provenance import answered_on, host
 
 __all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
 
@@ -381,11 +381,10 @@ def _kvpress_ruler(result: dict[str, Any]) -> str:
     header = ["kvsieve", "kvpress", "c", "tasks / samples", "score kvsieve %", "score kvpress %", "same answer",
               "s / sample", "RSS rise MiB"]  # fmt: skip
     theirs = ", ".join(f"{k} {v}" for k, v in result["versions"]["kvpress"].items())
-    where = "; ".join(f"{h}: {n} answers" for h, n in result["hosts"].items())
     return (
         f"Question-agnostic, both sides fed the same token ids and keeping the same number of context tokens; "
         f"scores ± standard error over the samples of all tasks pooled; kvsieve / kvpress in the paired columns; "
-        f"kvpress side: {theirs}. Answered on {where}.\n\n" + md_table(header, rows)
+        f"kvpress side: {theirs}. Answered on {answered_on(result['hosts'])}.\n\n" + md_table(header, rows)
     )
 
 

@@ -785,6 +785,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The report: a header (with the hosts), the table over all tasks where there are several, then per task and
     length its table (and the full cache's score from the ruler run's cells, if any), then the answers that
     differ."""
+    from kvsieve.provenance import answered_on
     from kvsieve.ruler.scoring import plus_minus
 
     versions = "; ".join(", ".join(f"{k} {v}" for k, v in result["versions"][s].items()) for s in SIDES)
@@ -794,7 +795,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Model `{result['model']}`, fp32, {result['threads']} thread(s) a side, {mode}; samples from "
         f"`{result['ruler_out']}`; git `{result['git']}`; {versions}.",
-        "Answered on " + "; ".join(f"{h}: {n} answers" for h, n in result["hosts"].items()) + ".",
+        f"Answered on {answered_on(result['hosts'])}.",
         "Scores in % (± standard error); kvsieve / kvpress in the paired columns; `kept`: context tokens kept (mean).",
     ]
     rows = result["rows"]
