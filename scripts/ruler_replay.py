@@ -54,7 +54,6 @@ def fill(model, prompt: tuple, groups: list[list], replay: bool) -> tuple[list[f
 
 def measure(model_name: str, length: int, dtype: str, count: int, rounds: int) -> dict:
     import kvsieve
-    from kvsieve.policies import get_policy
     from kvsieve.ruler import run
     from kvsieve.ruler.tasks import Prompter, generate_samples
 
@@ -63,9 +62,8 @@ def measure(model_name: str, length: int, dtype: str, count: int, rounds: int) -
     (sample,) = generate_samples(TASK, length, 1, prompter, run.sources(with_reading=False), seed=0)
     prompt = prompter.ids(sample.context, sample.question, sample.answer_prefix)
     settings = run.grid_settings(run.default_policies(), run.DEFAULT_COMPRESSIONS, ["agnostic", "aware"])
-    shared = [s for s in settings if not get_policy(s.policy).narrows]
-    groups = groups_of(shared, count)
-    fill(model, (prompt[0][:256], prompt[1]), groups_of(shared, 2), replay=True)  # (warm-up)
+    groups = groups_of(settings, count)
+    fill(model, (prompt[0][:256], prompt[1]), groups_of(settings, 2), replay=True)  # (warm-up)
     times: dict[str, list[list[float]]] = {arm: [] for arm in ARMS}
     held, recorded = {}, 0
     for r in range(rounds):
@@ -81,7 +79,7 @@ def measure(model_name: str, length: int, dtype: str, count: int, rounds: int) -
     return {
         "length": len(prompt[0]) + len(prompt[1]),
         "dtype": dtype,
-        "settings": len(shared),
+        "settings": len(settings),
         "groups": [len(g) for g in groups],
         "rounds": rounds,
         **{arm: {"group_s": [round(s, 1) for s in best[arm]], "total_s": round(sum(best[arm]), 1)} for arm in ARMS},

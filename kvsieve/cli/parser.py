@@ -340,7 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", help="default: all (see kvsieve.ruler.tasks)")
     p.add_argument("--lengths", type=POSITIVE_INT, nargs="+", help="prompt lengths in tokens (default 4096)")
     p.add_argument(
-        "--policies", nargs="+", help="policy specs (default: every registered policy but topk_oracle, which narrows)"
+        "--policies",
+        nargs="+",
+        help="policy specs (default: every registered policy but topk_oracle, a reference that saves no memory; "
+        "it answers question-aware only)",
     )
     p.add_argument(
         "--compressions", type=FRACTION, nargs="+", help="shares of tokens dropped (default 0.25 0.5 0.75 0.9)"

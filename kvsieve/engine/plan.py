@@ -52,6 +52,12 @@ class PolicyPlan:
             if isinstance(decode_budget, str):
                 raise ValueError(f"decode_budget must be tokens, a ratio, None or 'budget', got {decode_budget!r}")
             check_budget(decode_budget)
+        narrowing = next((cls.name for cls, *_ in self.layer_policies if cls.narrows), None)
+        if narrowing is not None and decode_budget != SAME:
+            raise ValueError(
+                f"{narrowing} takes no decode_budget: its queries see the budget's worth of earlier keys, as those of "
+                "an eviction cache that never grows"
+            )
         self.decode_budget = decode_budget
         self.growth: int | None = 0
         """Tokens each policy layer may grow by after the prompt (None: without bound), once resolved."""

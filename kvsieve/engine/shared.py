@@ -23,10 +23,11 @@ keys and values and attends the recorded queries, so its caches get the attentio
 that very pass without the model's layers running again (a grid whose caches do not fit in memory together pays
 for one model pass, however many groups its settings take).
 
-Both serve one forward pass each and refuse what they do not implement: padding, ``output_attentions`` and
-policies that narrow attention (their prompt's outputs are their own) in a shared prompt; in a stack, a step whose
-position ids are not each row's next position (:meth:`StackedRows.position_ids`; they may be left out where every
-row is at the same one) and a padding mask over caches that have seen different numbers of tokens.
+Both serve one forward pass each and refuse what they do not implement: padding and ``output_attentions`` in a
+shared prompt (a policy that narrows attention narrows the keys of earlier steps: a prompt's are attended in full);
+in a stack, a step whose position ids are not each row's next position (:meth:`StackedRows.position_ids`; they may
+be left out where every row is at the same one) and a padding mask over caches that have seen different numbers of
+tokens.
 """
 
 from __future__ import annotations
@@ -262,11 +263,6 @@ class SharedPrompt(Cache):
         for cache in caches:
             if cache.get_seq_length():
                 raise ValueError("a SharedPrompt fills empty caches (use new ones, or reset())")
-            narrowing = [policy.name for policy, *_ in cache.plan.layer_policies if policy.narrows]
-            if narrowing:
-                raise ValueError(
-                    f"{narrowing[0]} narrows the prompt's attention: its forward pass is its own, run it alone"
-                )
         super().__init__(layers=[_SharedLayer(subs, ends, record) for subs in layers])
         self.caches = list(caches)
 

@@ -260,7 +260,8 @@ def observed_attention(
     """The attention of :func:`fused_attention`, computed explicitly: logits and probabilities in fp32 (fp64 for a
     fp64 model), soft-capped and with sinks as ``args`` say. ``observe`` gets each block of rows as an
     :class:`~kvsieve.policies.base.Observation`; ``narrow(logits, allowed)`` may restrict each query head's keys
-    further (see :meth:`~kvsieve.policies.base.Policy.narrow`); with ``exact``, each query reads its recent slots'
+    among the slots of earlier steps, the first ``N - step_rows`` (see :meth:`~kvsieve.policies.base.Policy.narrow`:
+    the step's own slots, the last ones, are attended as allowed); with ``exact``, each query reads its recent slots'
     exact keys and values; ``step_rows``: the step's query rows when ``query`` holds its last rows only (the
     observations' :attr:`~kvsieve.policies.base.Observation.step_rows`). Returns the output ``[B, Hq, q, D]`` and, with
     ``args.weights``, the probabilities ``[B, Hq, q, N]``."""
@@ -302,9 +303,11 @@ def observed_attention(
             logits = torch.where(band, exact_logits.view_as(logits), logits)
         if args.softcap is not None:  # before masking, as the models' eager attention
             logits = torch.tanh(logits / args.softcap) * args.softcap
-        if narrow is not None:
+        if narrow is not None:  # (the earlier steps' slots narrowed, the step's own as allowed)
             allowed = visible_slots(kp, qp, args.window) if allowed is None else allowed
-            logits.masked_fill_(~narrow(logits, allowed), float("-inf"))
+            earlier = n_slots - (step_rows or q_len)
+            logits[..., :earlier].masked_fill_(~narrow(logits[..., :earlier], allowed[..., :earlier]), float("-inf"))
+            logits[..., earlier:].masked_fill_(~allowed[:, :, None, :, earlier:], float("-inf"))
         elif allowed is not None:
             logits.masked_fill_(~allowed[:, :, None], float("-inf"))
         elif diagonal_only:

@@ -141,10 +141,11 @@ def _attend(
         decided = _decide_by_rule(layer, query, keys, values, slots, args)
         if decided is not None:
             return decided[0], None, decided[1]
-    if not (observes or policy.narrows or args.explicit or exact is not None):
+    narrows = policy.narrows and keys.shape[2] > q  # (it narrows the slots of earlier steps: are there any?)
+    if not (observes or narrows or args.explicit or exact is not None):
         return fused_attention(query, keys, values, slots.pos, query_pos, args, seen), None, None
     observe = (lambda obs: policy.observe(slots.prefix(obs.key_pos.shape[-1]), obs)) if observes else None
-    narrow = policy.narrow if policy.narrows else None
+    narrow = policy.narrow if narrows else None
     # The rows before those the policy observes need no probabilities: the fused kernel attends them over the slots
     # before the chunk's later tokens (which they cannot see).
     rows = policy.observed_rows() if observes and not (args.explicit or exact) else None

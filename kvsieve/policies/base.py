@@ -14,7 +14,8 @@ engine owns the storage (slots) and calls the policy at each forward step of tha
    the ``n_keep`` highest (``+inf``, or :data:`PROTECTED`, = kept). Empty and padding slots are never kept in place
    of real tokens.
 
-A policy that overrides ``narrow(logits, allowed)`` restricts the keys each query head attends to (``topk_oracle``).
+A policy that overrides ``narrow(logits, allowed)`` restricts the keys of earlier steps each query head attends to
+(``topk_oracle``); a step's own tokens are attended as by every policy, so a prompt on an empty cache is not narrowed.
 A :class:`PositionalPolicy` gives priorities from positions alone (``priority(pos, last)``): every layer with the
 same policy then evicts the same slots, and the engine decides once per step for all of them. A
 :class:`PatternPolicy` states them as a :class:`~kvsieve.engine.rules.Pattern` (``local``, ``streaming_llm``,
@@ -175,9 +176,9 @@ class Policy:
     bounded: ClassVar[bool] = True
     """Whether the policy enforces a budget (``full`` does not)."""
     row_additive: ClassVar[bool] = False
-    """Whether observing query rows together in one step leaves the same state as observing them one step each
-    (when nothing is evicted in between). The stream protocol then feeds the tokens that fit before the first
-    eviction as one chunk. Policies that do not observe are chunked anyway."""
+    """Whether observing query rows together in one step leaves the same state (and outputs) as observing them one
+    step each (when nothing is evicted in between). The stream protocol then feeds the tokens that fit before the
+    first eviction as one chunk. Policies that need no attention are chunked anyway."""
     reads_kv: ClassVar[bool] = False
     """Whether :meth:`observe` or :meth:`keep_scores` read ``slots.keys`` or ``slots.values``: the engine then passes
     them finished (otherwise a scan over quantized slots skips building each token's view of them) and lets a block
@@ -285,7 +286,10 @@ class Policy:
         return None
 
     def narrow(self, logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """``[B, H, G, b, N]`` bool: the slots each query head attends to (override it to narrow at all).
+        """``[B, H, G, b, N]`` bool: which of the ``N`` slots held before the step each query head attends to
+        (override it to narrow at all). The step's own slots are not passed: each query attends to them as every
+        policy's queries do (an eviction policy's step, too, sees its own tokens and what the cache held before), so
+        a step on an empty cache is never narrowed.
 
         ``logits`` ``[B, H, G, b, N]`` are the scaled logits, ``allowed`` ``[B, H, b, N]`` the engine's mask
         (causality, padding, window); the result must be a subset of it. Default: ``allowed`` unchanged (a view).

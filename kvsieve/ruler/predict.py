@@ -32,7 +32,6 @@ from kvsieve.api import eos_ids, generated, make_cache
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.memory import Reservation, available_memory, recorded_pass_bytes, reservation
 from kvsieve.engine.shared import RecordedPass, SharedPrompt, StackedRows
-from kvsieve.policies import get_policy
 from kvsieve.ruler.scoring import score
 from kvsieve.ruler.tasks import Sample
 
@@ -211,8 +210,7 @@ def prefill_together(
     """The rows of ``settings`` for the prompt ``head + tail`` (context part, question part), each with its first
     token: one forward pass of the prompt fills every setting's cache (:class:`~kvsieve.engine.shared.SharedPrompt`;
     an ``agnostic`` cache takes the context part) — or ``prompt_pass``, for the groups of settings of one prompt
-    filled one after another — then the question part is fed to the ``agnostic`` caches as the rows of one batch.
-    Policies that narrow attention have a prompt pass of their own: :func:`predict` them."""
+    filled one after another — then the question part is fed to the ``agnostic`` caches as the rows of one batch."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
     agnostic = [s.compresses_context for s in settings]
@@ -387,9 +385,8 @@ def answers(
     replay it, :class:`PromptPass`, whose recording counts against ``kv_memory`` until they are filled) and
     joining the answers being decoded (:class:`Decoding`). A group is taken as soon as its caches fit beside
     those of the answers being decoded (where the memory free cannot be read: once those are all done), so that
-    the next samples' answers fill the batch while a sample's longest answers finish. A setting whose policy
-    narrows attention is answered alone (:func:`predict`) at its turn, as a group of its own. Units are read only
-    when their turn comes."""
+    the next samples' answers fill the batch while a sample's longest answers finish. Units are read only when
+    their turn comes."""
     if kv_memory is None:
         free = available_memory(model.device)
         kv_memory = None if free is None else free // 2
@@ -403,25 +400,20 @@ def answers(
 
     for index, (sample, prompt, settings) in enumerate(units):
         limit = max_new_tokens(sample.task)
-        together = [s for s in settings if not get_policy(s.policy).narrows]
         needs = {s: _need(model, s, prompt, limit) for s in settings}
         recording = recorded_pass_bytes(model, len(prompt[0]) + len(prompt[1]))
-        if kv_memory is None:  # (no bound: one group, if any setting shares a prompt pass)
-            groups = [together] if together else []
+        if kv_memory is None:  # (no bound: one group)
+            groups = [list(settings)] if settings else []
         else:
-            groups = _packed(together, [needs[s].peak for s in together], kv_memory, recording)
-        passes = len(groups)  # (the groups after the first replay its pass: kept until the last is filled)
-        prompt_pass = PromptPass() if passes > 1 else None
-        groups += [[s] for s in settings if s not in together]
+            groups = _packed(settings, [needs[s].peak for s in settings], kv_memory, recording)
+        # (the groups after the first replay its pass: kept until the last is filled)
+        prompt_pass = PromptPass() if len(groups) > 1 else None
         for number, group in enumerate(groups):
             need = sum(needs[s].peak for s in group) + (0 if prompt_pass is None else recording)
             while decoding.rows and (kv_memory is None or decoding.held + need > kv_memory):
                 yield from handed(decoding.step())
-            if group[0] not in together:
-                yield index, group[0], _cell(sample, *predict(model, tokenizer, *prompt, group[0], limit))
-                continue
             rows = prefill_together(model, *prompt, group, limit, prompt_pass)
-            if number == passes - 1:
+            if number == len(groups) - 1:
                 prompt_pass = None
             for row in rows:
                 row.held = needs[row.setting].steady

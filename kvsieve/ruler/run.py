@@ -76,10 +76,9 @@ QUICK: dict[str, Any] = {
 
 
 def default_policies() -> list[str]:
-    """Every registered policy whose settings share the prompt's forward pass
-    (:func:`~kvsieve.ruler.predict.predict_together`): all but those that narrow attention (``topk_oracle``, an oracle
-    that keeps every token), each of whose settings costs a forward pass of its own — give them by name."""
-    return [name for name, policy in REGISTRY.items() if not policy.narrows]
+    """Every registered policy but the references that save no memory and take a budget (``topk_oracle``, an
+    oracle that keeps every token and narrows each query's attention to its budget: give it by name)."""
+    return [name for name, policy in REGISTRY.items() if policy.bounded or not policy.takes_budget()]
 
 
 def sources(file: str | Path | None = None, with_reading: bool = True) -> Sources:
@@ -107,8 +106,8 @@ def haystack_name(file: str | Path | None) -> str:
 
 def grid_settings(policies: Sequence[str], compressions: Sequence[float], protocols: Sequence[str]) -> list[Setting]:
     """The full cache once (for the policies without a budget: ``full``), then every protocol × policy with a budget
-    × compression (``topk_oracle`` too: a budget narrows its attention; checked: known policies and protocols,
-    compressions in (0, 1))."""
+    × compression (``topk_oracle`` too: a budget narrows its attention; question-aware only, since it chooses keys
+    knowing each query, the question's too; checked: known policies and protocols, compressions in (0, 1))."""
     for protocol in protocols:
         if protocol not in QUESTION_MODES:
             raise ValueError(f"protocol must be one of {', '.join(QUESTION_MODES)}, got {protocol!r}")
@@ -116,8 +115,20 @@ def grid_settings(policies: Sequence[str], compressions: Sequence[float], protoc
         if not 0.0 < compression < 1.0:
             raise ValueError(f"a compression is a share of tokens dropped, in (0, 1); got {compression}")
     budgeted = [p for p in policies if get_policy(p).takes_budget()]
+    narrowing = [p for p in budgeted if get_policy(p).narrows]
+    if narrowing and "aware" not in protocols:
+        raise ValueError(
+            f"{narrowing[0]} chooses keys knowing each query, the question's too: it has question-aware cells only "
+            "(add the protocol aware)"
+        )
     settings = [FULL] if len(budgeted) < len(policies) or not policies else []
-    settings += [Setting(q, p, c) for q in protocols for p in budgeted for c in compressions]
+    settings += [
+        Setting(q, p, c)
+        for q in protocols
+        for p in budgeted
+        for c in compressions
+        if q == "aware" or p not in narrowing
+    ]
     return settings
 
 

@@ -42,7 +42,8 @@ def test_whole_sequence_equals_token_by_token_on_a_tiny_model(policy, llama_gqa,
 def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, make_ids, monkeypatch):
     """The stream protocol from the first token (as lm-eval runs it): position-only policies in closed form (one
     chunk), row-additive policies and policies that never observe attention with the tokens before the
-    first eviction as one chunk, the tokens after it (all tokens, for the others) as one scanned run."""
+    first eviction as one chunk, the tokens after it (all tokens, for the others) as one scanned run; a policy that
+    narrows attention (each token a step of its own) one token at a time."""
     ids = make_ids(2, 40)
     with torch.no_grad():
         cache = kvsieve.make_cache(llama_gqa, policy, 16)
@@ -59,7 +60,7 @@ def test_stream_from_an_empty_cache_equals_token_by_token(policy, llama_gqa, mak
     cls = REGISTRY[policy]
     chunked = cls.row_additive or not cls.needs_attention
     closed_form = isinstance(cache.layers[0].policy, SinkWindow)
-    per_layer = [40] if not cls.bounded or closed_form else [16, -24] if chunked else [-40]
+    per_layer = [1] * 40 if cls.narrows else [40] if not cls.bounded or closed_form else [16, -24] if chunked else [-40]
     assert steps == per_layer * len(cache.layers)
 
 

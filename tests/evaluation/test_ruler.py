@@ -320,16 +320,20 @@ def test_grid_is_full_once_then_protocol_policy_compression() -> None:
     assert Setting("aware", "snapkv", 0.9).budget == 0.1
 
 
-def test_default_policies_are_those_that_share_the_prompt_pass() -> None:
-    """Every registered policy but those that narrow attention (topk_oracle: its prompt pass is its own); 113
-    settings at the default compressions under both protocols."""
+def test_default_policies_are_all_but_the_oracle() -> None:
+    """Every registered policy but the reference that saves no memory (topk_oracle); 113 settings at the default
+    compressions under both protocols."""
     assert default_policies() == [name for name in REGISTRY if name != "topk_oracle"]
     assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 113
 
 
-def test_a_policy_with_a_budget_but_no_bound_gets_its_own_settings() -> None:
-    # (topk_oracle keeps every token but attends to its budget's worth: a setting of its own, not the full cache)
-    assert grid_settings(["topk_oracle"], [0.5], ["aware"]) == [Setting("aware", "topk_oracle", 0.5)]
+def test_a_policy_with_a_budget_but_no_bound_gets_its_own_question_aware_settings() -> None:
+    # (topk_oracle keeps every token but attends to its budget's worth: a setting of its own, not the full cache;
+    # it chooses keys knowing each query, the question's too: no question-agnostic cells)
+    both = grid_settings(["h2o", "topk_oracle"], [0.5], ["agnostic", "aware"])
+    assert both == [Setting("agnostic", "h2o", 0.5), Setting("aware", "h2o", 0.5), Setting("aware", "topk_oracle", 0.5)]
+    with pytest.raises(ValueError, match=r"topk_oracle chooses keys knowing each query.*question-aware cells only"):
+        grid_settings(["topk_oracle"], [0.5], ["agnostic"])
 
 
 def test_sources_too_small_for_the_length_are_an_error_not_a_hang(prompter) -> None:
@@ -576,12 +580,12 @@ def test_bounded_cache_sizes_by_protocol(tiny64, prompt_ids, monkeypatch, protoc
 
 def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkeypatch) -> None:
     """One shared prompt pass, the question parts batched and the answers decoded as one batch give every setting
-    the answer it gets alone (float64: round-off cannot decide a near-tie); a narrowing policy is answered alone."""
+    the answer it gets alone (float64: round-off cannot decide a near-tie), a narrowing policy's too."""
     model, tok = tiny64
     head, tail = prompt_ids
     policies = ["full", "h2o", "tova", "snapkv", "scissorhands", "ahakv", "streaming_llm", "knorm", "topk_oracle"]
-    settings = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
-    shared = [s for s in settings if s.policy != "topk_oracle"]
+    settings = shared = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
+    assert Setting("aware", "topk_oracle", 0.9) in shared
     got = predict_together(model, tok, head, tail, shared, 6)
     for setting, (text, n, first, total_s) in zip(shared, got, strict=True):
         assert (text, n) == predict(model, tok, head, tail, setting, 6)[:2], setting.key
@@ -623,25 +627,6 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     assert {s: (a["text"], a["answer_tokens"]) for s, a in grouped.items()} == {
         s: (answered[s]["text"], answered[s]["answer_tokens"]) for s in shared
     }
-
-
-def test_each_setting_answered_alone_is_yielded_as_it_is_made(tiny64, prompt_ids, sources, monkeypatch) -> None:
-    """A run stopped between two narrowing settings keeps the first one's answer: ``answer`` hands it over before
-    the next prompt pass begins."""
-    model, tok = tiny64
-    head, tail = prompt_ids
-    settings = grid_settings(["topk_oracle"], [0.25, 0.9], ["aware"])
-    (sample,) = generate_samples("niah_single_1", 200, 1, Prompter(tok), sources)
-    monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 2)
-    computed = []
-    alone = ruler_predict.predict
-    monkeypatch.setattr(ruler_predict, "predict", lambda *a: computed.append(a[4]) or alone(*a))
-    answers = answer(model, tok, sample, (head, tail), settings)
-    assert next(answers)[0] == settings[0] and computed == settings[:1]
-    assert [s for s, _ in answers] == settings[1:] and computed == settings
-    # Where the memory free cannot be read (no bound), narrowing settings alone still make no empty group.
-    monkeypatch.setattr(ruler_predict, "available_memory", lambda device: None)
-    assert [s for s, _ in answer(model, tok, sample, (head, tail), settings)] == settings
 
 
 NIAH_VT = [("niah_single_1", 180), ("niah_single_1", 230), ("vt", 260)]
