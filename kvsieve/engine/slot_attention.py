@@ -289,6 +289,7 @@ def observed_attention(
     key_t, values_3d = folded(keys, values)
     exact_key_t, exact_values_3d = (None, None) if exact is None else folded(exact.keys, exact.values)
     sinks = None if args.sinks is None else args.sinks.to(precision).view(1, n_kv_heads, group, 1, 1)
+    earlier = n_slots - (step_rows or q_len)  # (the slots of earlier steps: those a narrowing policy narrows)
     all_weights = query.new_zeros((bsz, n_q_heads, q_len, n_slots), dtype=torch.float32) if args.weights else None
     outputs = []
     for blk in _blocks(query, keys, values, key_pos, query_pos, seen.causal_tail):
@@ -305,7 +306,6 @@ def observed_attention(
             logits = torch.tanh(logits / args.softcap) * args.softcap
         if narrow is not None:  # (the earlier steps' slots narrowed, the step's own as allowed)
             allowed = visible_slots(kp, qp, args.window) if allowed is None else allowed
-            earlier = n_slots - (step_rows or q_len)
             logits[..., :earlier].masked_fill_(~narrow(logits[..., :earlier], allowed[..., :earlier]), float("-inf"))
             logits[..., earlier:].masked_fill_(~allowed[:, :, None, :, earlier:], float("-inf"))
         elif allowed is not None:

@@ -584,7 +584,7 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     model, tok = tiny64
     head, tail = prompt_ids
     policies = ["full", "h2o", "tova", "snapkv", "scissorhands", "ahakv", "streaming_llm", "knorm", "topk_oracle"]
-    settings = shared = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
+    shared = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
     assert Setting("aware", "topk_oracle", 0.9) in shared
     got = predict_together(model, tok, head, tail, shared, 6)
     for setting, (text, n, first, total_s) in zip(shared, got, strict=True):
@@ -592,8 +592,8 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
         assert 0 < first <= total_s
     (sample,) = generate_samples("niah_single_1", 200, 1, Prompter(tok), sources)
     monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 6)
-    answered = dict(answer(model, tok, sample, (head, tail), settings))
-    assert sorted(answered, key=settings.index) == settings
+    answered = dict(answer(model, tok, sample, (head, tail), shared))
+    assert sorted(answered, key=shared.index) == shared
     for setting, (text, n, *_) in zip(shared, got, strict=True):
         assert (answered[setting]["text"], answered[setting]["answer_tokens"]) == (text, n)
     # Grouped by the memory their caches may hold: one model pass replayed for each group, the same answers.
