@@ -230,18 +230,19 @@ class SieveCache(Cache):
         for layer in self.layers:
             layer.prompt_tokens = tokens
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
         """Record the next steps so that :meth:`crop` can roll them back exactly (transformers calls this before
         assisted generation and prompt lookup). An empty cache must know where the prompt of its first pass ends
         (:meth:`set_prompt_length`): transformers verifies the first draft tokens in that pass, and the cache evicts
-        (and can roll back) the tokens after the prompt one at a time."""
+        (and can roll back) the tokens after the prompt one at a time. ``kwargs`` (transformers' options for its
+        layers, such as the recurrent states a linear-attention layer keeps) go to each layer."""
         if self.get_seq_length() == 0 and self.layers[0].prompt_tokens is None:
             raise ValueError(
                 "assisted generation and prompt lookup verify the first draft tokens in the prompt's forward pass; to "
                 "evict exactly as plain decoding does, the kvsieve cache must know where the prompt ends: call "
                 "cache.set_prompt_length(input_ids.shape[1]) before generate (kvsieve.generate does it)"
             )
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     @property
     def rolling(self) -> bool:

@@ -192,9 +192,11 @@ class SieveLayer(CacheLayerMixin):
         self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
         self.recording = None
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: object) -> None:
         """Record the next steps, so that :meth:`crop` can roll them back (transformers calls it before assisted
-        generation and prompt lookup); each step after the first is then processed one token at a time."""
+        generation and prompt lookup); each step after the first is then processed one token at a time. ``kwargs``
+        (``recurrent_states_to_keep``: how many recurrent states a linear-attention layer records) concern no slot
+        of an attention layer."""
         self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
