@@ -2,6 +2,7 @@
 
     python scripts/kvpress_ruler.py --ruler-out OUT --build-venv            # once: kvpress 0.5.5 in .venv-kvpress
     python scripts/kvpress_ruler.py --ruler-out OUT --tasks niah_single_1 --samples 2
+    python scripts/kvpress_ruler.py --ruler-out OUT --samples 2 --report    # the report of the answers stored
 
 ``OUT`` is a ``kvsieve ruler --out OUT`` directory: its ``samples/<task>_<length>.jsonl`` are the prompts (the first
 ``--samples`` of each; ``--tasks`` and ``--lengths`` pick among the files there, by default all of them), and the model
@@ -77,12 +78,13 @@ only the order of float sums.
 
 **Output** (``--out``, default ``out/kvpress_ruler``): ``records.jsonl`` (one line per answer: resumable, a rerun
 computes only what is missing for the same model, template, ids and limits; each record names the CPU it was answered
-on), ``kvpress_ruler.json`` (provenance, settings, versions, git head, the hosts, records, rows per task and length and
-over all of them; :mod:`kvsieve.results` renders the latter on the long-context page) and ``kvpress_ruler.md``: over
-all tasks (their samples pooled) and per task and length, each row's score on each side (mean ± standard error, %),
-the share of samples both answered alike (stripped text), mean seconds per sample, the largest peak RSS and the mean
-rise, mean kept tokens, whether the ids were the same; the full cache's score from ``OUT/cells`` when the ruler run
-computed it; then the answers that differ.
+on; ``--report`` answers nothing and reports the records stored for the settings given, so a table can pool runs of
+different samples or compressions), ``kvpress_ruler.json`` (provenance, settings, versions, git head, the hosts,
+records, rows per task and length and over all of them; :mod:`kvsieve.results` renders the latter on the long-context
+page) and ``kvpress_ruler.md``: over all tasks (their samples pooled) and per task and length, each row's score on
+each side (mean ± standard error, %), the share of samples both answered alike (stripped text), mean seconds per
+sample, the largest peak RSS and the mean rise, mean kept tokens, whether the ids were the same; the full cache's
+score from ``OUT/cells`` when the ruler run computed it; then the answers that differ.
 """
 
 from __future__ import annotations
@@ -189,6 +191,8 @@ class Settings:
     venv: Path
     build_venv: bool
     out: Path
+    report: bool
+    """Answer nothing: the report of the answers stored in ``out`` for these settings."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -201,6 +205,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--compressions", type=float, nargs="+", default=[0.5], help="kvpress compression ratios (default 0.5)"
     )
     parser.add_argument("--parallel", action="store_true", help="run both sides at once (default: one at a time)")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="answer nothing: the report of the answers already in --out for these settings (the workers still "
+        "start, to say their versions)",
+    )
     add_shared_args(parser, [*METHODS, *REFERENCE], "kvpress_ruler")
     parser.set_defaults(methods=DEFAULT_METHODS)
     parser.add_argument(  # (replaces the shared --model: a built-in name too, default the samples' model)
@@ -299,6 +309,7 @@ def check_args(args: argparse.Namespace) -> Settings:
         args.kvpress_venv,
         args.build_venv,
         args.out,
+        args.report,
     )
 
 
@@ -864,7 +875,8 @@ def run(settings: Settings, items: Sequence[Item], command: Sequence[str]) -> di
                 side: [
                     m
                     for m in methods
-                    if json.dumps(record_key(settings, item, c, side, m), sort_keys=True) not in stored
+                    if not settings.report
+                    and json.dumps(record_key(settings, item, c, side, m), sort_keys=True) not in stored
                 ]
                 for side, methods in jobs(settings, item, c).items()
             }

@@ -453,3 +453,40 @@ def test_kvsieve_worker_answers_as_predict(tiny_lm, tmp_path):
         kept = len(head) if method == "full" else budget
         assert reply["kept"] == reply["kept_min"] == kept
         assert reply["seconds"] > 0 and reply["rss_peak_mib"] > 0 and "pipeline_ids" not in reply
+
+
+class SilentWorker:
+    """A worker that says its versions and fails if it is asked anything."""
+
+    def __init__(self, python: Path, setup: dict, threads: int, log: Path) -> None:
+        self.hello = {"versions": {setup["side"]: "1.0"}}
+
+    def send(self, request: dict) -> None:
+        pytest.fail(f"asked {request['method']}")
+
+    receive = ask = send
+
+    def close(self) -> None:
+        pass
+
+
+def test_report_answers_nothing_and_reports_what_is_stored(real_ruler_dir, tokenizer, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    args = ("--tasks", "niah_single_1", "--lengths", "4096", "--methods", "tova", "--out", str(out))
+    settings = _settings(real_ruler_dir, *args, "--report")
+    assert settings.report and not _settings(real_ruler_dir, *args).report
+    first, second = ruler.plan(settings, tokenizer)
+    reply = {
+        "answer": "1234567.", "answer_tokens": 3, "seconds": 1.0, "rss_peak_mib": 900.0, "rss_rise_mib": 4.0,
+        "kept": 30, "kept_min": 30, "context_ids": first.head, "question_ids": first.tail, "pipeline_ids": True,
+    }  # fmt: skip
+    stored = [ruler.make_record(ruler.record_key(settings, first, 0.5, side, "tova"), first, reply, CPU)
+              for side in ("kvsieve", "kvpress")]  # fmt: skip
+    out.mkdir()
+    lines = "".join(json.dumps(r) + "\n" for r in stored)
+    (out / "records.jsonl").write_text(lines)
+    monkeypatch.setattr(ruler, "WorkerProcess", SilentWorker)
+    result = ruler.run(settings, [first, second], ["--report"])  # (the second sample has no answers: none asked)
+    assert result["records"] == stored and (out / "records.jsonl").read_text() == lines
+    assert [(r["samples"], r["kvsieve"]["score"]) for r in result["rows"]] == [(1, 100.0)]
+    assert result["versions"] == {"kvsieve": {"kvsieve": "1.0"}, "kvpress": {"kvpress": "1.0"}}
