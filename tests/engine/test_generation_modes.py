@@ -1,6 +1,6 @@
 """Every generation mode of transformers with a kvsieve-attention model: other caches behave as before
 ``make_cache``, assisted generation and prompt lookup give plain greedy decoding's tokens under eviction (crop
-rolls a rejected draft back exactly), attention weights, stop strings, several sequences per prompt, misuse."""
+rolls a rejected draft back exactly, and a deferred stop check's extra step), attention weights, stop strings, several sequences per prompt, misuse."""
 
 from __future__ import annotations
 
@@ -203,6 +203,35 @@ def test_crop_rolls_back_exactly_what_was_fed_since_recording(policy, llama_gqa,
         torch.testing.assert_close(
             llama_gqa(more[:, 2:3], cache=cache).logits,
             llama_gqa(more[:, 2:3], cache=reference).logits,
+        )
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "snapkv"])
+def test_a_deferred_stop_check_undoes_its_extra_step(policy, llama_gqa, make_ids) -> None:
+    """What transformers' deferred stop check (on mps, since 5.25) does to a cache it returns: past recording with
+    its options after the prompt, ``crop(0)`` after each step, one step too many, ``crop(-1)``, ``record_past``
+    switched off. The cache then holds what plain decoding holds, and goes on as it does."""
+    prompt, steps = make_ids(2, 9), make_ids(2, 5, seed=3)
+    reference, cache = kvsieve.make_cache(llama_gqa, policy, 5), kvsieve.make_cache(llama_gqa, policy, 5)
+    with torch.inference_mode():
+        llama_gqa(prompt, cache=reference)
+        for t in range(4):
+            llama_gqa(steps[:, t : t + 1], cache=reference)
+        llama_gqa(prompt, cache=cache)
+        cache.activate_past_recording(recurrent_states_to_keep=1)
+        for t in range(5):  # (the fifth: the step the check reports its stop one step late after)
+            llama_gqa(steps[:, t : t + 1], cache=cache)
+            if t < 4:
+                cache.crop(0)
+        cache.crop(-1)
+        for layer in cache.layers:
+            layer.record_past = False
+    for held, expected in zip(_state(cache), _state(reference), strict=True):
+        for a, b in zip(held, expected, strict=True):
+            torch.testing.assert_close(a, b)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            llama_gqa(steps[:, 4:], cache=cache).logits, llama_gqa(steps[:, 4:], cache=reference).logits
         )
 
 
