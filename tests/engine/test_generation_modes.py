@@ -1,6 +1,7 @@
 """Every generation mode of transformers with a kvsieve-attention model: other caches behave as before
 ``make_cache``, assisted generation and prompt lookup give plain greedy decoding's tokens under eviction (crop
-rolls a rejected draft back exactly, and a deferred stop check's extra step), attention weights, stop strings, several sequences per prompt, misuse."""
+rolls a rejected draft back exactly, and a deferred stop check's extra step), attention weights, stop strings,
+several sequences per prompt, misuse."""
 
 from __future__ import annotations
 
