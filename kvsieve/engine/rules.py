@@ -90,19 +90,23 @@ class ScoreRule:
     ``across_heads``), are added to the ``score`` state (``SCORE_STATE`` and ``accumulate`` of
     :mod:`kvsieve.policies.base`) or replace it; the victim is the lowest-scored slot outside what ``kept`` keeps —
     with ``pool`` > 0, the lowest maximum of the scores over the ``pool`` held slots around it in position order (the
-    kept ones count as ``-inf``; SnapKV's pooling), the oldest of equal ones. The multiplier depends on the rows'
-    positions and ``gain`` alone: the layers of a decode step with equal gains compute it once."""
+    kept ones count as ``-inf``; SnapKV's pooling), the oldest of equal ones; with ``mean_pool`` the lowest mean over
+    them instead (the kept ones and the ``pool // 2`` places beyond either end count as 0: the authors' ``avgpool``,
+    run by the policies' torch code only). The multiplier depends on the rows' positions and ``gain`` alone: the
+    layers of a decode step with equal gains compute it once."""
 
     accumulate: bool
     kept: Pattern = Pattern(keep=0)
     across_heads: bool = False
     pool: int = 0
     gain: int = 0
+    mean_pool: bool = False
 
     @property
     def observed(self) -> ScoreRule:
-        """The fields the observation reads (``kept`` and ``pool`` choose among the scores, they do not make them)."""
-        return replace(self, kept=Pattern(keep=0), pool=0)
+        """The fields the observation reads (``kept`` and the pooling choose among the scores, they do not make
+        them)."""
+        return replace(self, kept=Pattern(keep=0), pool=0, mean_pool=False)
 
     def logit_scale(self, query_pos: torch.Tensor) -> torch.Tensor:
         """``[B, c]`` fp32: :func:`step_gain` at ``gain`` of the rows at ``query_pos`` ``[B, c]`` (the tokens they

@@ -42,16 +42,19 @@ def scaled_probs(obs: Observation, scale: torch.Tensor) -> torch.Tensor:
     return group_sum(logits.softmax(dim=-1), obs.query_pos)
 
 
-def pooled_priority(score: torch.Tensor, pos: torch.Tensor, kernel: int) -> torch.Tensor:
-    """``[B, H, N]`` int64: each slot's max of ``score`` over the ``kernel`` slots around it in position order,
-    equal maxima ordered by position (newer higher), as one integer: the pooled maximum's bits in the high half, the
-    position in the low half — priorities whose ties do not depend on the slot layout, with no second sort.
+def pooled_priority(score: torch.Tensor, pos: torch.Tensor, kernel: int, mean: bool = False) -> torch.Tensor:
+    """``[B, H, N]`` int64: each slot's max (``mean``: mean) of ``score`` over the ``kernel`` slots around it in
+    position order, equal values ordered by position (newer higher), as one integer: the pooled value's bits in the
+    high half, the position in the low half — priorities whose ties do not depend on the slot layout, with no second
+    sort. The mean divides by ``kernel`` at the ends too (the places beyond them count as 0, ``avg_pool1d``'s
+    zero padding).
 
-    ``score`` is fp32 and non-negative or ``-inf`` (summed probabilities, masked slots), whose bits order as the
-    int32 they read as."""
+    ``score`` is fp32 and non-negative or ``-inf`` (summed probabilities, masked slots; a mean's masked slots are
+    0), whose bits order as the int32 they read as."""
 
     def pooled(ordered: torch.Tensor) -> torch.Tensor:
-        return F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
+        pool = F.avg_pool1d if mean else F.max_pool1d
+        return pool(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
 
     bits = in_position_order(pos, pooled, score).view(torch.int32).long()
     return (bits << 32) | pos.clamp(min=0)  # (an empty slot's -inf is the lowest anyway)
@@ -65,8 +68,10 @@ class ScorePolicy(Policy):
     ``across_heads``, over the layer's KV heads, to the
     ``score`` state (``accumulate``) or sets it to the last row's (otherwise). :meth:`keep_scores` is the score, with
     ``pool`` its max-pooled priority over the held slots in position order (:func:`pooled_priority`, the kept ones
-    at ``-inf``), and the slots of the rule's ``kept`` pattern protected. :meth:`scan_rule` is the same rule: the
-    engine's compiled loops run it unless a policy returns None there (its own ``observe`` differs in a stream)."""
+    at ``-inf``; ``mean_pool``: mean-pooled, the kept ones at 0), and the slots of the rule's ``kept`` pattern
+    protected. :meth:`scan_rule` is the same rule: the engine's compiled loops run it unless a policy returns None
+    there (its own ``observe`` differs in a stream); they pool by the maximum only, so a mean-pooling rule is run
+    by this torch code alone (no scan rule)."""
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         super().__init__(budget, params)
@@ -97,12 +102,13 @@ class ScorePolicy(Policy):
         rule, score = self.scores, slots.state["score"]
         kept = rule.kept.kept(slots.pos, slots.last)
         if rule.pool:
-            masked = score.masked_fill(kept | (slots.pos < 0), float("-inf"))
-            return protect(pooled_priority(masked, slots.pos, rule.pool), kept)
+            masked = score.masked_fill(kept | (slots.pos < 0), 0.0 if rule.mean_pool else float("-inf"))
+            return protect(pooled_priority(masked, slots.pos, rule.pool, rule.mean_pool), kept)
         return protect(score, kept)
 
     def scan_rule(self) -> ScoreRule | None:
-        return self.score_rule()
+        rule = self.score_rule()
+        return None if rule.mean_pool else rule
 
 
 class _BulkPolicy(Policy):

@@ -1,8 +1,9 @@
-"""``snapkv``: keep what an observation window of recent queries attends to, max-pooled, plus the window."""
+"""``snapkv``: keep what an observation window of recent queries attends to, pooled, plus the window."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from kvsieve.engine.rules import Pattern, ScoreRule
 from kvsieve.policies.base import Observation, Slots, register
@@ -15,19 +16,30 @@ class SnapKVParams:
     """Observation window: the newest queries whose attention is counted, and the newest tokens always kept;
     default ``min(32, budget // 2)`` (the paper: 32)."""
     kernel: int = 7
-    """Width of the 1-D max-pooling over positions (odd; 1 = no pooling)."""
+    """Width of the 1-D pooling over positions (odd; 1 = no pooling)."""
+    pooling: Literal["max", "mean"] = "max"
+    """How the scores are pooled: their maximum (the authors' ``maxpool``) or their mean (``avgpool``: the authors'
+    code's default and kvpress's; positions beyond the ends count as 0)."""
 
 
 @register
 class SnapKV(ScorePolicy):
-    """Keeps the ``window`` newest tokens plus the tokens the observation window attends to most, max-pooled.
+    """Keeps the ``window`` newest tokens plus the tokens the observation window attends to most, pooled.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024 (arXiv:2404.14469), as
-    in the authors' ``SnapKVCluster`` (``pooling='maxpool'``). At the prompt: a token's score is the attention it
-    gets from the last ``window`` prompt queries (probabilities summed over those queries and over the GQA group
-    of its KV head); the scores of the tokens outside the window are max-pooled along positions (kernel
-    ``kernel``, the window's tokens excluded from the pooling), and the top ``budget - window`` of them are kept
-    with the window. A prompt that fits the budget is not compressed.
+    in the authors' ``SnapKVCluster``. At the prompt: a token's score is the attention it gets from the last
+    ``window`` prompt queries (probabilities summed over those queries and over the GQA group of its KV head); the
+    scores of the tokens outside the window are pooled along positions (kernel ``kernel``, the window's tokens
+    excluded from the pooling), and the top ``budget - window`` of them are kept with the window. A prompt that
+    fits the budget is not compressed.
+
+    The pooling is the paper's ambiguity: its listing calls a ``pool1d`` it does not name, the authors' code offers
+    ``maxpool`` and ``avgpool`` (its default). kvsieve pools by the maximum (``pooling="max"``, the default, which
+    every published grid used); ``pooling="mean"`` is the other (a window's sum over ``kernel``, the places beyond
+    either end and the window's tokens counting as 0, as ``avg_pool1d`` pads), kvpress's ``SnapKVPress`` rule: the
+    mean is linear, so summing over the GQA group and the queries before pooling (kvsieve) ranks as averaging over
+    them (kvpress) does, up to round-off. Both are measured beside kvpress on RULER (``docs/long-context.md``). The
+    compiled loops pool by the maximum only: under the mean the policy's torch code runs (no ``scan_rule``).
 
     SnapKV compresses the prompt only; kvsieve keeps the cache bounded during decoding with the same rule
     (a kvsieve choice): each decode query is in the observation window, so its attention is added to the scores;
@@ -59,8 +71,11 @@ class SnapKV(ScorePolicy):
         slots.state["score"] += (obs.probs * observing[:, None, :, None]).sum(dim=2)
 
     def score_rule(self) -> ScoreRule:
-        return ScoreRule(accumulate=True, kept=Pattern.window(self.window), pool=self.params.kernel)
+        p = self.params
+        return ScoreRule(
+            accumulate=True, kept=Pattern.window(self.window), pool=p.kernel, mean_pool=p.pooling == "mean"
+        )
 
     def scan_rule(self) -> ScoreRule | None:
         # (in a stream each query is the newest token, inside a window of at least one: every one is counted)
-        return None if self.window == 0 else self.score_rule()
+        return None if self.window == 0 else super().scan_rule()

@@ -28,6 +28,7 @@ def test_rows_map_kvsieve_specs_to_presses():
     assert ruler.METHODS == {
         "streaming_llm": "streaming_llm",
         "snapkv:window=64,kernel=5": "snapkv",
+        "snapkv:window=64,kernel=5,pooling=mean": "snapkv",
         "tova": "tova",
         "knorm:recent=0": "knorm",
         "h2o": "observed_attention",

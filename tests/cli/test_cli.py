@@ -49,7 +49,7 @@ def test_policies_json_lists_memory_saving(capsys) -> None:
     assert set(rows) == set(REGISTRY)
     assert rows["topk_oracle"]["saves_memory"] is False and rows["topk_oracle"]["takes_budget"] is True
     assert rows["full"]["takes_budget"] is False and rows["snapkv"]["saves_memory"] is True
-    assert rows["snapkv"]["params"] == {"window": None, "kernel": 7}
+    assert rows["snapkv"]["params"] == {"window": None, "kernel": 7, "pooling": "max"}
     assert all(row["paper"] and row["summary"] for row in rows.values())
 
 

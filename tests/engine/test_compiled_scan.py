@@ -16,6 +16,7 @@ from kvsieve.policies.ahakv import AhaKV
 from kvsieve.policies.base import Slots, demote
 from kvsieve.policies.families import MarksPolicy, PriorityPolicy
 from kvsieve.policies.h2o import H2O
+from kvsieve.policies.snapkv import SnapKV
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
 
@@ -159,7 +160,12 @@ def test_left_padded_batches_stream_the_same_with_the_compiled_loop(llama_gqa, m
 
 @pytest.mark.parametrize(
     ("policy", "params"),
-    [("h2o", {"transform": "sqrt"}), ("ahakv", {"sgs_tokens": "kept"}), ("snapkv", {"window": 0})],
+    [
+        ("h2o", {"transform": "sqrt"}),
+        ("ahakv", {"sgs_tokens": "kept"}),
+        ("snapkv", {"window": 0}),
+        ("snapkv", {"pooling": "mean"}),
+    ],
 )
 def test_the_torch_scan_decides_where_no_rule_applies(llama_gqa, make_ids, monkeypatch, policy, params) -> None:
     """Variants whose rule the loop does not run: it is never called, and the results are the torch scan's."""
@@ -188,6 +194,7 @@ def test_only_policies_with_such_a_rule_state_it() -> None:
     assert H2O(16, H2O.make_params(normalize=True)).scan_rule() is None
     assert H2O(16, H2O.make_params(recent=3)).scan_rule() == ScoreRule(accumulate=True, kept=Pattern(keep=0, recent=3))
     assert AhaKV(16, AhaKV.make_params(sgs=False)).scan_rule().gain == 0
+    assert SnapKV(16, SnapKV.make_params(pooling="mean")).scan_rule() is None  # (the loops pool by the maximum)
 
 
 def _slots(gen: torch.Generator, n: int, padding: int) -> Slots:

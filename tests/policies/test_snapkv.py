@@ -10,8 +10,9 @@ from kvsieve.policies.families import pooled_priority
 from kvsieve.policies.snapkv import SnapKV
 
 
-def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int) -> list[Kept]:
-    """SnapKV applied literally to the captured observations, one position at a time."""
+def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int, mean: bool = False) -> list[Kept]:
+    """SnapKV applied literally to the captured observations, one position at a time (``mean``: the scores
+    mean-pooled, the places beyond either end of the tokens outside the window counting as 0)."""
     score: dict[tuple[int, int, int], dict[int, float]] = {}
     out: list[Kept] = []
     for i, (_, pos, obs) in enumerate(calls):
@@ -34,9 +35,8 @@ def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int) -
                     protected = [p for p in held if p > last - window]
                     others = [p for p in held if p <= last - window]
                     half = kernel // 2
-                    pooled = {
-                        p: max(s[o] for o in others[max(0, j - half) : j + half + 1]) for j, p in enumerate(others)
-                    }
+                    near = {p: [s[o] for o in others[max(0, j - half) : j + half + 1]] for j, p in enumerate(others)}
+                    pooled = {p: sum(v) / kernel if mean else max(v) for p, v in near.items()}
                     best = sorted(others, key=lambda p: (pooled[p], p), reverse=True)[: budget - len(protected)]
                     for p in set(others) - set(best):
                         del s[p]
@@ -46,12 +46,21 @@ def _naive_snapkv(calls, budget: int, window: int, kernel: int, n_layers: int) -
     return out
 
 
-@pytest.mark.parametrize(("kwargs", "window", "kernel"), [({}, 6, 7), ({"window": 3, "kernel": 3}, 3, 3)])
+@pytest.mark.parametrize(
+    ("kwargs", "window", "kernel"),
+    [
+        ({}, 6, 7),
+        ({"window": 3, "kernel": 3}, 3, 3),
+        ({"pooling": "mean"}, 6, 7),
+        ({"pooling": "mean", "kernel": 5}, 6, 5),
+    ],
+)
 def test_snapkv_matches_naive_reference(llama_gqa, stream, make_ids, monkeypatch, kwargs, window, kernel) -> None:
     calls = capture(monkeypatch, SnapKV)
     budget, steps = 12, 10
     kept = run_kept(llama_gqa, "snapkv", budget, make_ids(2, 30), steps, stream, kernels="torch", **kwargs)
-    assert kept == _naive_snapkv(calls, budget, window, kernel, len(kept[0]))
+    mean = kwargs.get("pooling") == "mean"
+    assert kept == _naive_snapkv(calls, budget, window, kernel, len(kept[0]), mean)
     # the prompt's selection is not just the newest tokens
     assert any(min(s) < 30 - budget for layer in kept[0] for row in layer for s in row)
 
@@ -74,3 +83,34 @@ def test_pooled_priority_orders_by_pooled_maximum_then_position() -> None:
         }
         expected = sorted(range(n), key=lambda s: (pooled[s], int(pos[0, 0, s])))
         assert priority[0, 0].argsort().tolist() == expected
+
+
+def test_pooled_priority_by_the_mean_orders_by_the_zero_padded_mean_then_position() -> None:
+    """Mean pooling: the sum over the kernel's neighbours in position order divided by the kernel, the places beyond
+    either end counting as 0 (``avg_pool1d``'s padding), then the position; scores whose sums are exact in fp32."""
+    gen = torch.Generator().manual_seed(1)
+    kernel, n = 5, 40
+    for _ in range(50):
+        pos = torch.randperm(300, generator=gen)[:n].view(1, 1, n)
+        levels = torch.tensor([0.0, 0.25, 0.5, 3.0, 1024.0])
+        score = levels[torch.randint(0, len(levels), (1, 1, n), generator=gen)]
+        priority = pooled_priority(score, pos, kernel, mean=True)
+        order = sorted(range(n), key=lambda s: int(pos[0, 0, s]))
+        rank = {slot: i for i, slot in enumerate(order)}
+        pooled = {
+            s: sum(float(score[0, 0, order[j]]) for j in range(max(0, rank[s] - 2), min(n, rank[s] + 3))) / kernel
+            for s in range(n)
+        }
+        expected = sorted(range(n), key=lambda s: (pooled[s], int(pos[0, 0, s])))
+        assert priority[0, 0].argsort().tolist() == expected
+
+
+def test_mean_and_max_pooling_keep_different_tokens() -> None:
+    """One score where the two poolings disagree: a lone peak wins its neighbours the top places under the maximum;
+    under the mean a broad plateau outranks it."""
+    pos = torch.arange(11).view(1, 1, 11)
+    score = torch.tensor([[[0.0, 0.0, 0.9, 0.0, 0.0, 0.4, 0.4, 0.4, 0.4, 0.4, 0.0]]])
+    by_max = pooled_priority(score, pos, 3).argsort(descending=True)[0, 0, :3].tolist()
+    by_mean = pooled_priority(score, pos, 3, mean=True).argsort(descending=True)[0, 0, :3].tolist()
+    assert sorted(by_max) == [1, 2, 3]  # (0.9 around the peak, 0.4 on the plateau)
+    assert sorted(by_mean) == [6, 7, 8]  # (1.2 / 3 inside the plateau, 0.9 / 3 around the peak)
