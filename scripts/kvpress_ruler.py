@@ -44,11 +44,13 @@ token budget (the ``kept`` column shows both measured).
 
 - ``streaming_llm`` → ``StreamingLLMPress``: the same rule (4 sink tokens + the newest), original positions on both
   sides (kvpress without its ``KeyRerotationPress``).
-- ``snapkv:window=64,kernel=5`` → ``SnapKVPress`` (kvpress's window and kernel). Both score the non-window tokens by
-  the attention of the last 64 prompt queries (kvpress recomputes those queries from the layer's input, sdpa giving no
-  weights), keep the window, and sum/average over the GQA group (the same ranking). Systematic difference: kvpress
-  *averages* the scores over the pooling kernel (``avg_pool1d``, the zero padding counted at both ends), kvsieve takes
-  the *maximum* (the authors' ``maxpool``), equal maxima keeping the newer token.
+- ``snapkv:window=64,kernel=5`` and ``snapkv:window=64,kernel=5,pooling=mean`` → ``SnapKVPress`` (kvpress's window
+  and kernel). Both sides score the non-window tokens by the attention of the last 64 prompt queries (kvpress
+  recomputes those queries from the layer's input, sdpa giving no weights) and keep the window. kvpress *averages*
+  the scores over the pooling kernel (``avg_pool1d``, the zero padding counted at both ends) for each query head,
+  then over the GQA group; kvsieve's default takes the *maximum* over the kernel (the authors' ``maxpool``) of the
+  group's sum, equal maxima keeping the newer token — a different rule. Its ``pooling=mean`` is kvpress's: the mean
+  is linear, so pooling each head and averaging over the group ranks as pooling the group's sum does.
 - ``tova`` → ``TOVAPress``: both score by the last prompt query's attention averaged over all heads of the layer (one
   kept set per layer). kvpress always keeps the last token (scored max + 1), kvsieve (as the paper) does not protect it.
 - ``knorm:recent=0`` → ``KnormPress``: both keep the lowest key norms, nothing protected (kvsieve's default protects
@@ -125,6 +127,7 @@ FULL = "full"
 METHODS: dict[str, str] = {
     "streaming_llm": "streaming_llm",
     "snapkv:window=64,kernel=5": "snapkv",
+    "snapkv:window=64,kernel=5,pooling=mean": "snapkv",
     "tova": "tova",
     "knorm:recent=0": "knorm",
     "h2o": "observed_attention",
@@ -143,7 +146,7 @@ PRESS_NAMES = {
 """Press → kvpress's class name."""
 EAGER = ("observed_attention",)
 """Presses that read the attention weights the layers return: the model runs ``eager`` attention under them."""
-MIN_KEPT = {"snapkv:window=64,kernel=5": 64}
+MIN_KEPT = {"snapkv:window=64,kernel=5": 64, "snapkv:window=64,kernel=5,pooling=mean": 64}
 """Rows that need more kept tokens than the default ``DEFAULT_MIN_KEPT``: SnapKV's 64-token window."""
 DEFAULT_MIN_KEPT = 5
 """StreamingLLM's and ExpectedAttention's 4 sink tokens, and one more."""
