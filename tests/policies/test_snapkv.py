@@ -65,42 +65,30 @@ def test_snapkv_matches_naive_reference(llama_gqa, stream, make_ids, monkeypatch
     assert any(min(s) < 30 - budget for layer in kept[0] for row in layer for s in row)
 
 
-def test_pooled_priority_orders_by_pooled_maximum_then_position() -> None:
-    """The integer priority sorts slots as (max of the score over the kernel's neighbours in position order,
-    position), for scores with ties, zeros, tiny and large values and -inf (masked slots), in any slot layout."""
-    gen = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize(
+    ("mean", "levels", "seed"),
+    [
+        # max: ties, zeros, tiny and large values and -inf (masked slots)
+        (False, [0.0, 1e-30, 0.25, 0.5, 3e5, float("-inf")], 0),
+        # mean: the places beyond either end count as 0 (avg_pool1d's padding); scores whose sums are exact in fp32
+        (True, [0.0, 0.25, 0.5, 3.0, 1024.0], 1),
+    ],
+)
+def test_pooled_priority_orders_by_the_pooled_score_then_position(mean, levels, seed) -> None:
+    """The integer priority sorts slots as (the max, or the sum over the kernel, of the score over the kernel's
+    neighbours in position order, position), in any slot layout."""
+    gen = torch.Generator().manual_seed(seed)
     kernel, n = 5, 40
     for _ in range(50):
         pos = torch.randperm(300, generator=gen)[:n].view(1, 1, n)
-        levels = torch.tensor([0.0, 1e-30, 0.25, 0.5, 3e5, float("-inf")])
-        score = levels[torch.randint(0, len(levels), (1, 1, n), generator=gen)]
-        priority = pooled_priority(score, pos, kernel)
+        score = torch.tensor(levels)[torch.randint(0, len(levels), (1, 1, n), generator=gen)]
+        priority = pooled_priority(score, pos, kernel, mean=mean)
         order = sorted(range(n), key=lambda s: int(pos[0, 0, s]))
         rank = {slot: i for i, slot in enumerate(order)}
-        pooled = {
-            s: max(float(score[0, 0, order[j]]) for j in range(max(0, rank[s] - 2), min(n, rank[s] + 3)))
-            for s in range(n)
+        near = {
+            s: [float(score[0, 0, order[j]]) for j in range(max(0, rank[s] - 2), min(n, rank[s] + 3))] for s in range(n)
         }
-        expected = sorted(range(n), key=lambda s: (pooled[s], int(pos[0, 0, s])))
-        assert priority[0, 0].argsort().tolist() == expected
-
-
-def test_pooled_priority_by_the_mean_orders_by_the_zero_padded_mean_then_position() -> None:
-    """Mean pooling: the sum over the kernel's neighbours in position order divided by the kernel, the places beyond
-    either end counting as 0 (``avg_pool1d``'s padding), then the position; scores whose sums are exact in fp32."""
-    gen = torch.Generator().manual_seed(1)
-    kernel, n = 5, 40
-    for _ in range(50):
-        pos = torch.randperm(300, generator=gen)[:n].view(1, 1, n)
-        levels = torch.tensor([0.0, 0.25, 0.5, 3.0, 1024.0])
-        score = levels[torch.randint(0, len(levels), (1, 1, n), generator=gen)]
-        priority = pooled_priority(score, pos, kernel, mean=True)
-        order = sorted(range(n), key=lambda s: int(pos[0, 0, s]))
-        rank = {slot: i for i, slot in enumerate(order)}
-        pooled = {
-            s: sum(float(score[0, 0, order[j]]) for j in range(max(0, rank[s] - 2), min(n, rank[s] + 3))) / kernel
-            for s in range(n)
-        }
+        pooled = {s: sum(v) / kernel if mean else max(v) for s, v in near.items()}
         expected = sorted(range(n), key=lambda s: (pooled[s], int(pos[0, 0, s])))
         assert priority[0, 0].argsort().tolist() == expected
 
