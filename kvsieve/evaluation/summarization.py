@@ -1,11 +1,11 @@
-"""XSum under eviction: one-sentence summaries of GEM XSum articles, scored with ROUGE-1/2/L.
+"""XSum under eviction: one-sentence summaries of XSum articles (:mod:`kvsieve.corpora.xsum`), scored with ROUGE-1/2/L.
 
 Prompt: for a model with a chat template (SmolLM2-135M-Instruct, the default) the article goes in one user turn,
 ``"Summarize the following article in one sentence.\\n\\n<article>"``, followed by the assistant generation prompt
-(the template adds its default system turn); for a model without one, BIG-bench's own ``gem/xsum`` format
+(the template adds its default system turn); for a model without one, the format of BIG-bench's ``gem/xsum`` task
 ``"summarize: <article>\\none-sentence summary:"``. Zero-shot: 5-shot XSum prompts would not fit a small model's
 useful context. An article too long for the model's positions (with room for the summary) loses its end, so that
-the instruction stays (the first 100 articles include one of 16,616 tokens, twice SmolLM2's 8,192). Decoding is
+the instruction stays (the longest article is 4,784 SmolLM2 tokens: a model of fewer positions cuts). Decoding is
 greedy, at most :data:`MAX_NEW_TOKENS` tokens, stopped at the first newline (the
 summary is one sentence) or EOS. The generation runs through :class:`~kvsieve.evaluation.lm_eval_model.KVSieveLM`,
 so a ratio budget is ``ratio · (prompt + max_new_tokens)`` tokens and the protocol (stream/prefill) applies to
@@ -22,9 +22,9 @@ from typing import Any
 from rouge_score import rouge_scorer
 from transformers import PreTrainedTokenizerBase
 
+from kvsieve.corpora.xsum import load_xsum
 from kvsieve.evaluation.defaults import ROUGE_TYPES
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
-from kvsieve.evaluation.tasks import load_xsum
 
 INSTRUCTION = "Summarize the following article in one sentence."
 MAX_NEW_TOKENS = 64
@@ -74,7 +74,7 @@ def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, fl
 def evaluate_xsum(
     lm: KVSieveLM, limit: int | None = None, max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False
 ) -> XSumResult:
-    """Summarize the first ``limit`` XSum articles (all 1,001 when None) under ``lm``'s policy and budget."""
+    """Summarize the first ``limit`` XSum articles (all 999 when None) under ``lm``'s policy and budget."""
     examples = load_xsum()[:limit]
     room = None if lm.max_length is None else lm.max_length - max_new_tokens
     prompts = [xsum_prompt(lm.tokenizer, e.article, room) for e in examples]

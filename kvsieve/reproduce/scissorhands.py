@@ -33,8 +33,7 @@ def plan(quick: bool = False) -> Plan:
         ),
         Grid(
             "mc",
-            "Scissorhands §5 analogue: multiple-choice accuracy at 20% (COPA → cause_and_effect, MathQA → "
-            "elementary_math_qa)",
+            "Scissorhands §5: multiple-choice accuracy at 20% (COPA, OpenBookQA)",
             MC_TASKS,
             ["full", "scissorhands", "h2o"],
             [0.2],
@@ -75,8 +74,7 @@ def plan(quick: bool = False) -> Plan:
         "the first token, every later token one at a time; budgets are shares of the text.",
         "scissorhands' `threshold`: `attended` (kvsieve's default reading) and `paper` are both in the grid; the "
         "claims use the default.",
-        "COPA and MathQA are not in the offline pack; their BIG-bench analogues are cause_and_effect (3 subtasks) "
-        "and elementary_math_qa's question_only subtask (MathQA's questions, 5 options), 5-shot; "
-        f"{limit} document(s) per subtask, so differences of a few points are within noise.",
+        "Multiple choice: COPA and OpenBookQA from the offline pack (MathQA is not in it), 5-shot; "
+        f"{limit} document(s) per task, so differences of a few points are within noise.",
     ]
     return Plan("scissorhands", TITLE, experiments, claims, notes=notes)

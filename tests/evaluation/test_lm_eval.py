@@ -13,7 +13,7 @@ from kvsieve.cli import main
 from kvsieve.cli.commands import lm_eval_batch_size
 from kvsieve.evaluation.lm_eval_model import KVSieveLM
 
-TASK = "kvsieve_cause_and_effect_two_sentences"
+TASK = "kvsieve_copa"
 REQUESTS = [
     ("The cat sat on the mat because", " it was tired."),
     ("The cat sat on the mat because", " the mat was warm and soft."),
@@ -154,7 +154,7 @@ def test_generation_drops_the_oldest_context_tokens_beyond_the_positions(tiny, t
 
 
 @pytest.mark.slow
-def test_simple_evaluate_by_model_name_on_a_cached_bigbench_task() -> None:
+def test_simple_evaluate_by_model_name_on_a_cached_pack_task() -> None:
     import lm_eval
 
     from kvsieve.evaluation.tasks import task_manager

@@ -1,167 +1,136 @@
-"""The offline task pack: BIG-bench formatting, fetching in one pass, and lm-eval configs for all six tasks."""
+"""The offline data sets: the multiple-choice pack (formatted as lm-eval's own tasks, configs for all eight), the SQuAD
+reading items and the XSum articles, read from their wheels once."""
 
 from __future__ import annotations
 
+import gzip
 import json
-from collections import Counter
 
-import numpy as np
 import pytest
 
+from kvsieve.corpora import olmo_eval
+from kvsieve.corpora.reading import ReadingItem, parse, reading_items
+from kvsieve.corpora.xsum import load_xsum
 from kvsieve.evaluation import tasks
-from kvsieve.evaluation.tasks import (
-    MC_TASKS,
-    PREFIX,
-    SQUAD_SHIFTS,
-    ReadingItem,
-    format_examples,
-    load_xsum,
-    squad_shifts,
-    task_manager,
-    task_name,
-)
+from kvsieve.evaluation.tasks import MC_TASKS, PREFIX, read_arrow, task_manager, task_name
 
-SIX = list(MC_TASKS)
-
-
-def test_format_examples_follows_bigbench_default_format() -> None:
-    example = {"input": "2 + 2?", "target_scores": {"5": 0, "4": 1, "3": 0}}
-    docs = format_examples({"examples": [example, example, {"input": "x", "target_scores": {"a": 1, "b": 1}}]})
-    assert len(docs) == 2  # the duplicate is dropped
-    order = np.random.RandomState(seed=42).permutation(["3", "4", "5"])
-    assert docs[0] == {
-        "query": "\nQ: 2 + 2?" + "".join(f"\n  choice: {c}" for c in order) + "\nA: ",
-        "choices": ["5", "4", "3"],
-        "gold": 1,
-    }
-    assert docs[1]["gold"] == 0  # ties: the first choice with the highest score
+SIZES = {
+    "copa": 100,
+    "openbookqa": 500,
+    "piqa": 1838,
+    "rte": 277,
+    "boolq": 3270,
+    "social_iqa": 1954,
+    "arc_easy": 570,
+    "arc_challenge": 299,
+}
 
 
-def test_format_examples_uses_the_task_prefixes_and_append_flag() -> None:
-    task = {
-        "example_input_prefix": "\nexample: ",
-        "example_output_prefix": "\nanswer: ",
-        "append_choices_to_input": "False",
-        "examples": [{"input": "It rained.", "target_scores": {"wet": 1.0, "dry": 0.0}, "target": "wet, because"}],
-    }
-    assert format_examples(task) == [{"query": "\nexample: It rained.\nanswer: ", "choices": ["wet", "dry"], "gold": 0}]
-
-
-def test_task_names_map_short_names_only() -> None:
+def test_task_names_map_pack_names_only() -> None:
     assert task_name("social_iqa") == "kvsieve_social_iqa"
-    assert task_name("piqa") == "piqa"
-    assert task_name("cause_and_effect_one_sentence") == "kvsieve_cause_and_effect_one_sentence"
-    assert task_name("cause_and_effect_three") == "cause_and_effect_three"
+    assert task_name("copa") == "kvsieve_copa"
+    assert task_name("hellaswag") == "hellaswag"
 
 
-def test_fetch_reads_the_sdist_once_for_all_missing_members(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("KVSIEVE_CACHE", str(tmp_path))
-    downloads, extracted = [], []
-    monkeypatch.setattr(tasks, "_download", lambda url, sha, target: downloads.append(url))
+def test_copa_is_formatted_as_lm_evals_copa() -> None:
+    format_doc = MC_TASKS["copa"][1]
+    doc = {"premise": "The man broke his toe.", "choice1": "He dropped a hammer.", "choice2": "He sat.", "label": 0}
+    assert format_doc({**doc, "question": "cause"}) == {
+        "query": "The man broke his toe because",
+        "choices": [" he dropped a hammer.", " he sat."],
+        "gold": 0,
+    }
+    assert format_doc({**doc, "question": "effect"})["query"] == "The man broke his toe therefore"
 
-    def extract(archive, wanted):
-        extracted.append(sorted(wanted))
-        for path in wanted.values():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("{}")
 
-    monkeypatch.setattr(tasks, "extract_members", extract)
-    files = tasks.fetch_bigbench()
-    assert len(downloads) == 1 and len(extracted) == 1
-    assert len(extracted[0]) == sum(len(subs) or 1 for subs in MC_TASKS.values()) + 1 + 5  # + gem/xsum, squad_shifts
-    assert "bigbench/benchmark_tasks/gem/xsum/task.json" in extracted[0]
-    assert "bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.json" in extracted[0]
-    assert all(path.is_relative_to(tmp_path) for path in files.values())
-    tasks.fetch_bigbench()
-    assert len(downloads) == 1  # everything cached: no download
+def test_lettered_tasks_take_the_gold_by_its_label() -> None:
+    doc = {
+        "question": "Q?",
+        "question_stem": "Stem",
+        "answerKey": " C",
+        "choices": {"label": list("ABCD"), "text": list("wxyz")},
+    }
+    assert MC_TASKS["arc_easy"][1](doc) == {"query": "Question: Q?\nAnswer:", "choices": list("wxyz"), "gold": 2}
+    assert MC_TASKS["openbookqa"][1](doc)["query"] == "Stem"
+    social = {"context": "Ann ran.", "question": "Why?", "answerA": "a", "answerB": "b", "answerC": "c", "label": "3"}
+    assert MC_TASKS["social_iqa"][1](social) == {"query": "Q: Ann ran. Why?\nA:", "choices": ["a", "b", "c"], "gold": 2}
+
+
+@pytest.mark.parametrize("task", list(MC_TASKS))
+def test_each_arrow_file_holds_the_whole_validation_split(task) -> None:
+    rows = read_arrow(tasks.fetch_arrow_files()[task])
+    assert len(rows) == SIZES[task]
+    docs = [MC_TASKS[task][1](row) for row in rows]
+    assert all(0 <= d["gold"] < len(d["choices"]) >= 2 and d["query"] for d in docs)
 
 
 @pytest.mark.slow
-def test_configs_build_for_all_six_tasks() -> None:
-    names = [task_name(t) for t in SIX]
+def test_configs_build_for_all_eight_tasks() -> None:
+    names = [task_name(t) for t in MC_TASKS]
     loaded = task_manager(names).load(names)
-    for task, subs in MC_TASKS.items():
-        leaves = [f"{PREFIX}{task}_{sub}" for sub in subs] if subs else [task_name(task)]
-        if subs:
-            assert loaded["group_map"][task_name(task)] == leaves
-        for leaf in leaves:
-            built = loaded["tasks"][leaf]
-            assert built.config.output_type == "multiple_choice"
-            assert built.config.num_fewshot == 5
-            assert [m["metric"] for m in built.config.metric_list] == ["acc", "acc_norm"]
-            docs = built.test_docs()
-            assert len(docs) > 40
-            doc = docs[0]
-            assert 0 <= built.doc_to_target(doc) < len(built.doc_to_choice(doc)) >= 2
-            context = built.fewshot_context(doc, 5)
-            assert context.endswith(doc["query"])
-            if doc["query"]:  # five shots (query + gold answer) from the same (sub)task
-                found = {t for d in docs if d != doc and (t := d["query"] + d["choices"][d["gold"]]) in context}
-                # (a short example can occur inside a longer shot: count the examples no other one contains)
-                shots = [t for t in found if not any(t != u and t in u for u in found)]
-                assert len(shots) == 5
+    for task, name in zip(MC_TASKS, names, strict=True):
+        built = loaded["tasks"][name]
+        assert built.config.output_type == "multiple_choice"
+        assert built.config.num_fewshot == 5
+        assert [m["metric"] for m in built.config.metric_list] == ["acc", "acc_norm"]
+        docs = built.test_docs()
+        assert len(docs) == SIZES[task]
+        doc = docs[0]
+        assert 0 <= built.doc_to_target(doc) < len(built.doc_to_choice(doc)) >= 2
+        context = built.fewshot_context(doc, 5)
+        assert context.endswith(doc["query"])
+        # five shots (query + " " + gold answer) from the same task, the document itself not among them
+        found = {t for d in docs if d != doc and (t := d["query"] + " " + d["choices"][d["gold"]]) in context}
+        shots = [t for t in found if not any(t != u and t in u for u in found)]
+        assert len(shots) == 5, task
 
 
-def test_cause_and_effect_keeps_each_subtask_format() -> None:
-    name = f"{PREFIX}cause_and_effect_one_sentence"
-    built = task_manager([name]).load([name])["tasks"][name]
-    context = built.fewshot_context(built.test_docs()[0], 5)
-    assert context.startswith("Which of the following sentences makes more sense?\nexample:")
-    assert context.count("\nanswer: ") == 6
-
-
-@pytest.mark.parametrize("index", [0, -1])
-def test_xsum_has_the_1001_articles_with_summaries(index) -> None:
-    examples = load_xsum()
-    assert len(examples) == 1001
-    assert len(examples[index].article) > 200 and 10 < len(examples[index].summary) < 500
-    raw = json.loads((tasks.bigbench_dir() / "gem/xsum/task.json").read_text())["examples"][index]
-    assert (examples[index].article, examples[index].summary) == (raw["input"], raw["target"])
+def test_a_pack_built_twice_is_read_back_and_names_only_its_tasks() -> None:
+    root = tasks.ensure_task_pack()
+    assert sorted(p.name for p in root.glob("*.yaml")) == sorted(f"{PREFIX}{t}.yaml" for t in MC_TASKS)
+    assert tasks.ensure_task_pack() == root
 
 
 @pytest.fixture(scope="module")
-def reading_items() -> list[ReadingItem]:
-    return squad_shifts()
+def items() -> list[ReadingItem]:
+    return reading_items()
 
 
-def test_squad_shifts_has_every_question_source_by_source(reading_items) -> None:
-    counts = {"squaddev": 10565, "amazon_reviews": 9877, "reddit": 9767, "nyt": 10056, "new_wiki": 7936}
-    assert Counter(item.source for item in reading_items) == counts
-    assert list(dict.fromkeys(item.source for item in reading_items)) == list(SQUAD_SHIFTS)
+def test_reading_items_are_the_1000_squad_questions_with_span_answers(items) -> None:
+    assert len(items) == 1000 and len({item.passage for item in items}) == 803
+    assert all(item.answers and all(a in item.passage for a in item.answers) for item in items)
+    assert all(len(set(item.answers)) == len(item.answers) for item in items)
+    for item in items:
+        assert not item.passage.startswith(("Title:", "Background:")) and "\nQuestion:" not in item.passage
+        assert item.question and "\n" not in item.question and item.question not in item.passage
+    first = items[0]
+    assert first.title == "Harvard_University" and first.answers == ("23 years", "23")
+    assert first.question == 'Harvard - Yale Regatta predates "The Game" by how many years?'
+    assert first.passage.startswith("Older than The Game by 23 years, the Harvard-Yale Regatta")
 
 
-def test_squad_shifts_answers_are_distinct_spans_of_the_passage(reading_items) -> None:
-    # SQuAD answers are spans: every (stripped) answer of every item occurs verbatim in its passage
-    assert all(item.answers and all(a in item.passage for a in item.answers) for item in reading_items)
-    assert all(len(set(item.answers)) == len(item.answers) for item in reading_items)
+def test_reading_items_match_the_wheels_requests(items) -> None:
+    with gzip.open(olmo_eval.fetch(olmo_eval.SQUAD), "rt", encoding="utf-8") as lines:
+        docs = [json.loads(line)["doc"] for line in lines]
+    for doc, item in zip(docs, items, strict=True):  # (the passage and the question as stripped)
+        head, question = doc["query"].removesuffix("\nAnswer:").rsplit("\nQuestion:", 1)
+        assert head.removeprefix(f"Title: {item.title}\nBackground:").strip() == item.passage
+        assert question.strip() == item.question
 
 
-def test_squad_shifts_passage_and_question_carry_no_prompt(reading_items) -> None:
-    for item in reading_items:
-        assert not item.passage.startswith(("Title:", "Background:")) and "\nQ:" not in item.passage
-        assert not item.question.startswith("Q:") and item.question not in ("", item.passage)
-        assert (item.passage, item.question) == (item.passage.strip(), item.question.strip())
+def test_parse_strips_and_dedupes_answers() -> None:
+    doc = {
+        "query": "Title: T\nBackground:  Ann met Bo. \nQuestion:  Who? \nAnswer:",
+        "answers_text": [" Ann", "Ann ", " ", "Bo"],
+    }
+    assert parse(doc) == ReadingItem("Ann met Bo.", "Who?", ("Ann", "Bo"), "T")
+    with pytest.raises(ValueError, match="not Title/Background/Question/Answer"):
+        parse({"query": "Q: who?", "answers_text": ["x"]})
 
 
-def test_squad_shifts_first_items_match_the_files(reading_items) -> None:
-    nyt = next(item for item in reading_items if item.source == "nyt")
-    assert nyt.question == "Which baseball teams was Mattingly apart of?"
-    assert nyt.answers == ("Yankee", "Yankees")
-    assert nyt.passage.startswith("Mattingly’s election to baseball’s Hall of Fame in this, his last year")
-    first = reading_items[0]  # squaddev: three annotators gave the same answer
-    assert first.question == "Which NFL team represented the AFC at Super Bowl 50?"
-    assert first.answers == ("Denver Broncos",)
-
-
-def test_squad_shifts_strips_dedupes_and_drops_unanswered(tmp_path, monkeypatch) -> None:
-    qas = [
-        {"question": " Who? ", "answers": [{"text": " Ann"}, {"text": "Ann "}, {"text": " "}, {"text": "Bo"}]},
-        {"question": "Why?", "answers": [{"text": "  "}]},
-    ]
-    data = {"data": [{"title": "t", "paragraphs": [{"context": "Ann met Bo.\n", "qas": qas}]}]}
-    files = {}
-    for source in SQUAD_SHIFTS:
-        files[tasks._squad_member(source)] = path = tmp_path / f"{source}.json"
-        path.write_text(json.dumps(data))
-    monkeypatch.setattr(tasks, "fetch_bigbench", lambda: files)
-    assert squad_shifts() == [ReadingItem("Ann met Bo.", "Who?", ("Ann", "Bo"), source) for source in SQUAD_SHIFTS]
+@pytest.mark.parametrize("index", [0, -1])
+def test_xsum_has_999_articles_with_summaries(index) -> None:
+    examples = load_xsum()
+    assert len(examples) == 999 and len({e.id for e in examples}) == 999
+    assert len(examples[index].article) > 200 and 10 < len(examples[index].summary) < 500
+    assert examples[0].id == "38295789" and examples[0].article.startswith("The ex-Reading defender denied")

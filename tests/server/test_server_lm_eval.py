@@ -17,7 +17,7 @@ from test_server import NAME, serve  # noqa: F401 (serve: the live-server fixtur
 
 from kvsieve.server.jobs import KVSpec
 
-TASK = "kvsieve_cause_and_effect_two_sentences"
+TASK = "kvsieve_copa"
 LIMIT = 8
 KEY = "sk-lm-eval-test"
 GENERATE = f"{TASK}_generate"
