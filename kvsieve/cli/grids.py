@@ -93,13 +93,14 @@ def cmd_ruler(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
             haystack=haystack,
             chat_template=not args.no_chat_template,
+            generator=args.generator,
         )
         try:
             run.run_ruler(
                 model,
                 tokenizer,
                 args.out,
-                lambda: run.sources(args.file, with_reading="qa" in tasks),
+                lambda: run.sources(args.file, with_reading="qa" in tasks, generator=args.generator),
                 grid,
                 tasks=tasks,
                 lengths=args.lengths or quick.get("lengths", run.DEFAULT_LENGTHS),

@@ -81,17 +81,18 @@ def default_policies() -> list[str]:
     return [name for name, policy in REGISTRY.items() if policy.bounded or not policy.takes_budget()]
 
 
-def sources(file: str | Path | None = None, with_reading: bool = True) -> Sources:
+def sources(file: str | Path | None = None, with_reading: bool = True, generator: int = GENERATOR) -> Sources:
     """The samples' sources: the essay haystack from ``file`` (default: the built-in Wikipedia articles), the
-    vocabulary of the built-in articles, and (``with_reading``) the squad_shifts items."""
+    vocabulary of the built-in articles, and (``with_reading``) the reading items of sample generator ``generator``
+    (none for generator 2: BIG-bench squad_shifts can no longer be fetched)."""
+    from kvsieve.corpora.reading import reading_items
     from kvsieve.data import load_articles, read_text
-    from kvsieve.evaluation.tasks import squad_shifts
 
     wiki = "\n\n".join(a.text for a in load_articles())
     hay = sentences(read_text(file)) if file else sentences(wiki)
     if not hay:
         raise ValueError(f"{file} holds no sentences to build a haystack from")
-    return Sources(hay, vocabulary(wiki), squad_shifts() if with_reading else ())
+    return Sources(hay, vocabulary(wiki), reading_items() if with_reading and generator >= 3 else ())
 
 
 def haystack_name(file: str | Path | None) -> str:

@@ -21,7 +21,7 @@ task                      haystack  keys          values       needles
 ``vt``                    noise     variables     numbers      one chain of four hops (five variables)
 ``cwe``                   —         —             words        10 words × 30 among others × 3
 ``fwe``                   —         —             coded words  Zipf (α = 2) draws, the top three asked
-``qa``                    essays    —             —            one SQuAD-shifts passage among distractors
+``qa``                    essays    —             —            one SQuAD passage among distractors
 ========================  ========  ============  ===========  ==========================================
 
 Choices where the paper leaves room, each fixed here:
@@ -42,6 +42,8 @@ Choices where the paper leaves room, each fixed here:
   and its answers are the three most frequent words as drawn (a draw with a tie at third place is redrawn).
   RULER shows both tasks one solved example in the prompt; here there is none (the instruction states the format).
 - **qa**: the golden passage among distractor passages of other items (``Document k:`` each), at a stratified depth.
+  The items: SQuAD v1.1 (:func:`kvsieve.corpora.reading.reading_items`) from sample generator 3 on; generator 2 drew
+  them from BIG-bench's squad_shifts, which can no longer be fetched (its stored samples are answered as they are).
 - **Length.** The largest haystack whose whole prompt (the chat template's turn, context, question, answer prefix:
   the tokens fed, :class:`Prompter`) has at most ``length`` tokens, found by bisection on the number of haystack
   units.
@@ -67,9 +69,10 @@ from kvsieve.qa import split_prompt
 
 __all__ = ["GENERATOR", "TASKS", "Prompter", "Sample", "Sources", "generate_samples", "load_samples", "sentences"]
 
-GENERATOR = 2
+GENERATOR = 3
 """The generator's version: bumped whenever the samples drawn from a seed change (stored samples and answers of
-another version are made again)."""
+another version are made again). 3: the qa task's items are SQuAD's; 2: BIG-bench squad_shifts' (the other tasks draw
+the same samples in both)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Sources:
     sentences: Sequence[str]
     words: Sequence[str]
     reading: Sequence[Any] = ()
-    """Items with ``passage``, ``question`` and ``answers`` (:func:`kvsieve.evaluation.tasks.squad_shifts`)."""
+    """Items with ``passage``, ``question`` and ``answers`` (:func:`kvsieve.corpora.reading.reading_items`)."""
 
 
 def sentences(text: str, max_words: int = 40) -> list[str]:
@@ -395,7 +398,10 @@ class _Tie(Exception):
 class ReadingQA:
     def draft(self, src: Sources, rng: random.Random, stratum: int, samples: int, length: int) -> _Draft:
         if len(src.reading) < 2:
-            raise ValueError("the qa task needs reading-comprehension items (kvsieve data fetches squad_shifts)")
+            raise ValueError(
+                "the qa task needs reading-comprehension items: sample generator 2's (BIG-bench squad_shifts) can no "
+                f"longer be fetched, its stored samples are answered as they are; generator {GENERATOR} draws SQuAD's"
+            )
         golden = src.reading[rng.randrange(len(src.reading))]
         others = list(dict.fromkeys(item.passage for item in src.reading if item.passage != golden.passage))
         rng.shuffle(others)

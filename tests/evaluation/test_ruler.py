@@ -20,9 +20,9 @@ import torch
 import kvsieve
 import kvsieve.ruler.predict as ruler_predict
 from kvsieve.cli import main
+from kvsieve.corpora.reading import reading_items
 from kvsieve.data import load_articles
 from kvsieve.engine.memory import recorded_pass_bytes, reservation
-from kvsieve.evaluation.tasks import squad_shifts
 from kvsieve.policies import REGISTRY
 from kvsieve.ruler.predict import (
     FULL,
@@ -46,6 +46,7 @@ from kvsieve.ruler.tasks import (
     Sample,
     Sources,
     generate_samples,
+    load_samples,
     sentences,
     vocabulary,
 )
@@ -59,9 +60,9 @@ ESSAY = ["niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
 
 @pytest.fixture(scope="module")
 def sources() -> Sources:
-    """The built-in articles' sentences and vocabulary, and the first 2,000 squad_shifts items (315 passages)."""
+    """The built-in articles' sentences and vocabulary, and the 1,000 SQuAD items (803 passages)."""
     text = "\n\n".join(a.text for a in load_articles())
-    return Sources(sentences(text), vocabulary(text), squad_shifts()[:2000])
+    return Sources(sentences(text), vocabulary(text), reading_items())
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +136,8 @@ def test_samples_fill_the_length_up_to_one_haystack_unit(task, generated, prompt
         unit = _unit_tokens(task, sample, tokenizer, sources)
         assert sample.tokens + unit > LENGTH - 4, (sample.index, sample.tokens, unit)
         # so, in absolute terms: a unit is at most a 40-word sentence piece or a UUID needle (under 100 tokens), for
-        # qa a passage (the longest of the 315 here: about 475 tokens)
-        assert LENGTH - sample.tokens < (500 if task == "qa" else 100)
+        # qa a passage (the longest of the 803: 711 tokens)
+        assert LENGTH - sample.tokens < (720 if task == "qa" else 100)
 
 
 @pytest.mark.parametrize("task", [t for t in TASKS if t.startswith("niah") or t == "qa"])
@@ -453,6 +454,41 @@ def test_run_is_resumable_and_reported(tiny_lm, sources, tmp_path, monkeypatch) 
         cell["predictions"]["1"]["score"] = (i % 3) / 2
         p.write_text(json.dumps(cell))
     _check_report(tmp_path, settings)
+
+
+def test_generator_2_samples_are_answered_without_its_reading_items(tiny_lm, sources, tmp_path, monkeypatch) -> None:
+    """Generator 2's qa items (BIG-bench squad_shifts) can no longer be fetched: its stored samples are answered as
+    they are, and a qa sample it would have to make is a one-line error; generator 3 makes qa samples from SQuAD."""
+    import kvsieve.corpora.reading as reading
+    import kvsieve.ruler.run as ruler_run
+
+    model, tok = tiny_lm
+    monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 2)
+    settings = grid_settings(["full"], [0.5], ["aware"])
+    old = GridSettings(model="tiny", dtype="float32", seed=0, haystack="wikipedia", generator=2)
+    run_ruler(model, tok, tmp_path, lambda: sources, old, ["qa", "vt"], [1024], settings, 1, progress=False)
+    stored = (tmp_path / "samples" / "qa_1024.jsonl").read_text()
+    for cell in (tmp_path / "cells").glob("*.json"):
+        cell.unlink()
+
+    def gone() -> list:
+        raise AssertionError("generator 2's stored samples need no reading items")
+
+    monkeypatch.setattr(reading, "reading_items", gone)
+    got = lambda: ruler_run.sources(with_reading=True, generator=2)  # noqa: E731 (what kvsieve ruler passes)
+    run_ruler(model, tok, tmp_path, got, old, ["qa", "vt"], [1024], settings, 1, progress=False)
+    assert (tmp_path / "samples" / "qa_1024.jsonl").read_text() == stored
+    assert len(json.loads((tmp_path / "cells" / "qa_1024_full.json").read_text())["predictions"]) == 1
+    with pytest.raises(ValueError, match=r"sample generator 2's .* can no longer be fetched"):
+        run_ruler(model, tok, tmp_path, got, old, ["qa"], [1024], settings, 2, progress=False)
+
+    monkeypatch.setattr(reading, "reading_items", lambda: list(sources.reading))
+    new = GridSettings(model="tiny", dtype="float32", seed=0, haystack="wikipedia")
+    assert new.generator == 3
+    got = lambda: ruler_run.sources(with_reading=True)  # noqa: E731
+    run_ruler(model, tok, tmp_path / "new", got, new, ["qa"], [1024], settings, 1, progress=False)
+    (sample,) = load_samples(tmp_path / "new" / "samples" / "qa_1024.jsonl")
+    assert any(item.passage in sample.context and item.question in sample.question for item in sources.reading)
 
 
 def test_runs_on_disjoint_tasks_share_one_out(tiny_lm, sources, tmp_path, monkeypatch) -> None:
