@@ -79,12 +79,17 @@ def fetch(names: Sequence[str], progress: Callable[[Iterable[str]], Iterable[str
     done = []
     for name in progress(list(fetchers)):
         start = time.perf_counter()
+        path, error = None, None
         try:
             path = fetchers[name]()
         except (FetchError, OSError) as err:
-            done.append(Fetched(name, None, 0, time.perf_counter() - start, str(err)))
-            continue
-        done.append(Fetched(name, str(path), _size(path), time.perf_counter() - start))
+            error = str(err)
+        except ImportError as err:  # (the task pack reads its data with the eval extra's pyarrow)
+            error = f"needs the Python package {err.name!r}: pip install 'kvsieve[eval]'"
+        seconds = time.perf_counter() - start
+        done.append(
+            Fetched(name, None, 0, seconds, error) if path is None else Fetched(name, str(path), _size(path), seconds)
+        )
     return done
 
 

@@ -216,3 +216,15 @@ def test_compare_needs_only_the_default_model_and_the_wikipedia_text(tmp_path, m
     assert main(argv) == 0
     assert [row["policy"] for row in json.loads(capsys.readouterr().out)["rows"]] == ["h2o"]
     assert sorted(p.name for p in cache.iterdir()) == ["data", "models"]
+
+
+def test_a_piece_that_needs_an_extra_says_which(monkeypatch) -> None:
+    def fetcher(name: str):
+        def fetch():
+            raise ModuleNotFoundError("No module named 'pyarrow'", name="pyarrow")
+
+        return fetch
+
+    monkeypatch.setattr(pieces, "fetcher", fetcher)
+    (row,) = pieces.fetch(["tasks"])
+    assert row.path is None and row.error == "needs the Python package 'pyarrow': pip install 'kvsieve[eval]'"
