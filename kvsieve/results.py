@@ -13,7 +13,8 @@ bench --json`` (with or without a preset) or ``kvsieve reproduce --json`` (its c
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
 :func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
-:func:`kvsieve.ruler.claims.markdown`). ``python -m kvsieve.results [PAGE ...]`` renders every block
+:func:`kvsieve.ruler.claims.markdown`; ``<!-- results: PATH leaders -->``: the leading policies at each compression,
+:func:`kvsieve.ruler.report.leaders`). ``python -m kvsieve.results [PAGE ...]`` renders every block
 of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
 the pages, where a page and its data disagree (the test suite runs the same check).
 """
@@ -32,7 +33,7 @@ from kvsieve.provenance import answered_on, host
 
 __all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
 
-_BLOCK = re.compile(r"(<!-- results: (\S+)(?: (overview|claims))? -->\n)(.*?)(<!-- /results -->)", re.S)
+_BLOCK = re.compile(r"(<!-- results: (\S+)(?: (overview|claims|leaders))? -->\n)(.*?)(<!-- /results -->)", re.S)
 MIB = 1 << 20
 
 
@@ -425,7 +426,8 @@ def _renderer(result: dict[str, Any]) -> Callable[[dict[str, Any]], str]:
 
 def render_file(path: Path, view: str | None = None) -> str:
     """The markdown of the result at ``path``: a ``--json`` result file, or a ``kvsieve ruler`` output directory
-    (its summary tables; ``view``: ``overview``, its one table per length, or ``claims``, the papers' claims)."""
+    (its summary tables; ``view``: ``overview``, its one table per length, ``claims``, the papers' claims, or
+    ``leaders``, the policies keeping the most answers at each compression)."""
     if path.is_dir():
         from kvsieve.ruler import claims, report
 
@@ -435,6 +437,7 @@ def render_file(path: Path, view: str | None = None) -> str:
             None: lambda: report.summary(rows, level=4),
             "overview": lambda: report.overview(rows),
             "claims": lambda: claims.markdown(rows) + "\n",
+            "leaders": lambda: report.leaders(rows),
         }
         tables = views[view]()
         return tables + (_ruler_origin(json.loads(meta.read_text())) if meta.is_file() else "")

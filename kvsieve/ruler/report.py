@@ -230,6 +230,25 @@ def overview(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def leaders(rows: Sequence[dict[str, Any]], top: int = 3) -> str:
+    """Per length and protocol, at each compression, the ``top`` policies by their average over the tasks (± its
+    standard error), best first, and the full cache's: which policies keep the most answers."""
+    lines = []
+    for s in _sections(rows):
+        full = s.average("full")
+        lines += [f"{s.length:,} tokens, question-{s.protocol}, average score % over {len(s.tasks)} task(s) ± standard "
+                  f"error; the full cache: **{_mean_text(full)}**.", ""]  # fmt: skip
+        lines += ["| dropped | " + " | ".join(f"#{i + 1}" for i in range(top)) + " |", "|---|" + "---|" * top]
+        for c in s.compressions:
+            ranked = sorted(
+                ((average, p) for p in s.policies if (average := s.average(p, c)) is not None), key=lambda x: -x[0][0]
+            )
+            cells = [f"`{p}` {_mean_text(average)}" for average, p in ranked[:top]]
+            lines += [f"| {c:.0%} | " + " | ".join(cells + ["–"] * (top - len(cells))) + " |"]
+        lines += [""]
+    return "\n".join(lines)
+
+
 def markdown(rows: Sequence[dict[str, Any]], title: str = "RULER", per_task: bool = True, level: int = 2) -> str:
     """The report's tables (see the module docstring) under headings of ``level`` (the title one above);
     ``per_task=False``: the average tables only."""

@@ -90,7 +90,7 @@ def test_a_result_of_another_command_is_refused(tmp_path) -> None:
         render("<!-- results: p.json -->\n<!-- /results -->", tmp_path)
 
 
-@pytest.mark.parametrize("view", ["overview", "claims"])
+@pytest.mark.parametrize("view", ["overview", "claims", "leaders"])
 def test_a_ruler_view_of_a_result_file_is_refused(compare_result, tmp_path, view: str) -> None:
     (tmp_path / "r.json").write_text(json.dumps(compare_result))
     with pytest.raises(ValueError, match=f"`{view}` is a view of a kvsieve ruler directory"):

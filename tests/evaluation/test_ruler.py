@@ -788,21 +788,26 @@ def test_single_needles_are_scored_by_their_depth(tmp_path) -> None:
         assert len(list(csv.DictReader(f))) == 4
 
 
-def test_overview_puts_every_protocol_and_compression_of_a_length_in_one_table(tmp_path) -> None:
-    from kvsieve.results import render
-
-    (tmp_path / "cells").mkdir()
-    grid = [("full", "aware", 0.0, {"vt": [1, 1], "qa": [1, 0]})]
-    grid += [
-        ("h2o", "agnostic", 0.5, {"vt": [1, 0], "qa": [0, 0]}),
-        ("h2o", "aware", 0.5, {"vt": [1, 1], "qa": [1, 0]}),
-    ]
+def _write_cells(out: Path, grid: list[tuple[str, str, float, dict[str, list[int]]]]) -> None:
+    """Cells of a 512-token grid: (policy, protocol, compression, task → the samples' scores) each."""
+    (out / "cells").mkdir()
     for policy, protocol, compression, by_task in grid:
         for task, scores in by_task.items():
             settings = {"task": task, "length": 512, "protocol": protocol, "policy": policy, "compression": compression}
             predictions = {str(i): {"score": v, "first_token_s": 1.0, "total_s": 2.0} for i, v in enumerate(scores)}
             name = f"{task}_{protocol}_{policy}_{compression}.json"
-            (tmp_path / "cells" / name).write_text(json.dumps({"settings": settings, "predictions": predictions}))
+            (out / "cells" / name).write_text(json.dumps({"settings": settings, "predictions": predictions}))
+
+
+def test_overview_puts_every_protocol_and_compression_of_a_length_in_one_table(tmp_path) -> None:
+    from kvsieve.results import render
+
+    grid = [("full", "aware", 0.0, {"vt": [1, 1], "qa": [1, 0]})]
+    grid += [
+        ("h2o", "agnostic", 0.5, {"vt": [1, 0], "qa": [0, 0]}),
+        ("h2o", "aware", 0.5, {"vt": [1, 1], "qa": [1, 0]}),
+    ]
+    _write_cells(tmp_path, grid)
     # by hand: full 100 ± 0 and 50 ± 50 → 75 ± 25; h2o agnostic 50 ± 50 and 0 ± 0 → 25 ± 25; aware as full
     page = render("<!-- results: . overview -->\n<!-- /results -->", tmp_path)
     assert (
@@ -811,6 +816,25 @@ def test_overview_puts_every_protocol_and_compression_of_a_length_in_one_table(t
     )
     assert "| policy | agnostic 0.5 | aware 0.5 |\n|---|---:|---:|\n| h2o | 25.0 ± 25.0 | 75.0 ± 25.0 |\n" in page
     assert "###" not in page  # (the summary's headings are not there)
+
+
+def test_leaders_rank_the_policies_of_each_protocol_and_compression(tmp_path) -> None:
+    from kvsieve.results import render
+
+    grid = [("full", "aware", 0.0, {"vt": [1, 1], "qa": [1, 0]})]
+    grid += [
+        ("h2o", "agnostic", 0.5, {"vt": [1, 0], "qa": [0, 0]}),  # 25 ± 25
+        ("tova", "agnostic", 0.5, {"vt": [1, 1], "qa": [1, 0]}),  # 75 ± 25
+        ("h2o", "agnostic", 0.75, {"vt": [0, 0], "qa": [0, 0]}),  # 0 ± 0, alone at 0.75
+        ("tova", "agnostic", 0.75, {"vt": [1, 1]}),  # (no qa row: no average)
+    ]
+    _write_cells(tmp_path, grid)
+    page = render("<!-- results: . leaders -->\n<!-- /results -->", tmp_path)
+    head = "512 tokens, question-agnostic, average score % over 2 task(s) ± standard error; the full cache:"
+    assert head + " **75.0 ± 25.0**." in page
+    assert "| dropped | #1 | #2 | #3 |\n|---|---|---|---|\n" in page
+    assert "| 50% | `tova` 75.0 ± 25.0 | `h2o` 25.0 ± 25.0 | – |\n" in page
+    assert "| 75% | `h2o` 0.0 ± 0.0 | – | – |\n" in page
 
 
 @pytest.mark.slow
