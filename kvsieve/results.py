@@ -31,7 +31,7 @@ from typing import Any
 
 from kvsieve.provenance import answered_on, host
 
-__all__ = ["md_table", "pages", "render", "render_file", "stale_pages"]
+__all__ = ["command_line", "md_table", "pages", "render", "render_file", "shown", "stale_pages"]
 
 _BLOCK = re.compile(r"(<!-- results: (\S+)(?: (overview|claims|leaders))? -->\n)(.*?)(<!-- /results -->)", re.S)
 MIB = 1 << 20
@@ -43,14 +43,25 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]) + "\n"
 
 
+def shown(value: str) -> str:
+    """A result's argument as a page shows it: a file given by its absolute path by its name alone (where a run kept
+    its files on the machine it ran on says nothing about the result)."""
+    return Path(value).name if value.startswith("/") else value
+
+
+def command_line(command: Sequence[str]) -> str:
+    """A result's command as a page shows it (each argument :func:`shown`)."""
+    return " ".join(map(shown, command))
+
+
 def _origin(result: dict[str, Any]) -> str:
     """One line: the command, model and dtype, host, versions, code and date of a result."""
     p = result["provenance"]
     where = host(p["cpu"]) + (f", GPU {p['gpu']}" if "gpu" in p else "")
     versions = ", ".join(f"{name} {v}" for name, v in p["versions"].items() if v)
-    model = " ".join(str(p[k]) for k in ("model", "dtype") if p.get(k))
+    model = " ".join(shown(str(p[k])) for k in ("model", "dtype") if p.get(k))
     return (
-        f"*`{' '.join(p['command'])}` · {model} · {where}, {p['threads']} torch thread(s) · {versions} · kvsieve "
+        f"*`{command_line(p['command'])}` · {model} · {where}, {p['threads']} torch thread(s) · {versions} · kvsieve "
         f"{p['kvsieve']} at {p['commit'] or 'an unknown commit'} · {p['date']}"
         + (f" · {p['note']}" if p.get("note") else "")
         + "*\n"
@@ -58,8 +69,8 @@ def _origin(result: dict[str, Any]) -> str:
 
 
 def _ruler_origin(meta: dict[str, Any]) -> str:
-    """One line from a ``kvsieve ruler`` directory's ``meta.json`` (written beside runs made elsewhere, e.g. on a lent
-    GPU): the command, model, dtype, device, versions, date and what the cells cover."""
+    """One line from a ``kvsieve ruler`` directory's ``meta.json`` (written beside runs made on another machine, e.g. a
+    GPU's): the command, model, dtype, device, versions, date and what the cells cover."""
     versions = ", ".join(f"{name} {v}" for name, v in meta["versions"].items())
     return (
         f"\n*`{meta['command']}` · {meta['model']} · {meta['dtype']} · {meta['device']} · {versions} · {meta['date']}."

@@ -20,7 +20,7 @@ from ray_support import in_loopback
 from kvsieve.cli import main
 from kvsieve.evaluation.sweep import Settings, run_sweep
 
-slow = pytest.mark.slow  # (starts Ray: a minute on the shared 2-core machine)
+slow = pytest.mark.slow  # (starts Ray: a minute on a 2-core machine shared with other jobs)
 
 POLICIES = ["full", "h2o", "local"]
 BUDGETS = [0.25, 0.5]

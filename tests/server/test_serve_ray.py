@@ -30,7 +30,7 @@ from kvsieve.cli import main
 from kvsieve.results import render_file
 
 script = load_script("serve_ray")
-slow = pytest.mark.slow  # (starts Ray: about 1.5 minutes on the shared 2-core machine)
+slow = pytest.mark.slow  # (starts Ray: about 1.5 minutes on a 2-core machine shared with other jobs)
 
 NAME = "tiny"
 BUDGET = 16
