@@ -82,11 +82,11 @@ only the order of float sums.
 computes only what is missing for the same model, template, ids and limits; each record names the CPU it was answered
 on; ``--report`` answers nothing and reports the records stored for the settings given, so a table can pool runs of
 different samples or compressions), ``kvpress_ruler.json`` (provenance, settings, versions, git head, the hosts,
-records, rows per task and length and over all of them; :mod:`kvsieve.results` renders the latter on the long-context
-page) and ``kvpress_ruler.md``: over all tasks (their samples pooled) and per task and length, each row's score on
-each side (mean ± standard error, %), the share of samples both answered alike (stripped text), mean seconds per
-sample, the largest peak RSS and the mean rise, mean kept tokens, whether the ids were the same; the full cache's
-score from ``OUT/cells`` when the ruler run computed it; then the answers that differ.
+records, rows per task and length and over all of them; :mod:`kvsieve.results` renders the latter in
+``docs/results/kvpress.md``) and ``kvpress_ruler.md``: over all tasks (their samples pooled) and per task and length,
+each row's score on each side (mean ± standard error, %), the share of samples both answered alike (stripped text), mean
+seconds per sample, the largest peak RSS and the mean rise, mean kept tokens, whether the ids were the same; the full
+cache's score from ``OUT/cells`` when the ruler run computed it; then the answers that differ.
 """
 
 from __future__ import annotations

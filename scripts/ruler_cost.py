@@ -17,7 +17,7 @@ settings), with each of its forward passes recorded: the prompt passes, and the 
 still decoding, each set of steps beside as many steps of the model with transformers' own cache at as many rows
 (a short cache, no eviction). ``peak_rss_gib`` is the process's peak resident memory (model included). Prints a
 table and writes JSON with its :func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it
-on the long-context page).
+in the performance notes, ``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -3,19 +3,19 @@
     python scripts/ruler_floor.py docs/results/ruler/qwen2.5-coder-0.5b_4096_cpu --dtypes float32 bfloat16 --out f.json
 
 Counts, from a run's directory (its samples and cells), the tokens each forward pass of the grid's way of answering
-(:func:`~kvsieve.ruler.predict.predict_together`) feeds the model: one prompt pass per sample (the fewest: a grid
-whose caches do not fit together pays one per group), the question part once per question-agnostic setting, and one
-decode step per answer token after the first, for every setting. Each token costs two FLOPs per weight of the
-model's linear layers (the output layer's only where a token's logits are computed: the last token of a pass, every
-decode step); the prompt pass's causal attention is counted exactly, the attention of the question parts and answers
-(over caches of 10 to 100 % of the prompt) not at all. Those FLOPs divided by the rate ``torch.nn.functional.linear``
-reaches on one core of this host (each layer's fastest of ten rounds, at the model's own shapes: a prompt's rows
-for the prompt and question passes, a decode batch's for the answers) is a floor that no way of answering the grid
-with these FLOPs beats, whatever its bookkeeping. ``--timed`` sets beside the floor of the grid's samples of one
-task the phases of a sample of that task timed by ``scripts/ruler_cost.py --grid`` (its CPU seconds: seconds ×
-threads). The result also counts the grid's decode steps by their rows (one step per sample and answer token after
-the first; its rows are the settings whose answer goes on). Prints the floor per dtype; ``--out`` writes JSON with
-its :func:`~kvsieve.provenance.provenance` (:mod:`kvsieve.results` renders it on the long-context page).
+(:func:`~kvsieve.ruler.predict.predict_together`) feeds the model: one prompt pass per sample (the fewest: a grid whose
+caches do not fit together pays one per group), the question part once per question-agnostic setting, and one decode
+step per answer token after the first, for every setting. Each token costs two FLOPs per weight of the model's linear
+layers (the output layer's only where a token's logits are computed: the last token of a pass, every decode step); the
+prompt pass's causal attention is counted exactly, the attention of the question parts and answers (over caches of 10 to
+100 % of the prompt) not at all. Those FLOPs divided by the rate ``torch.nn.functional.linear`` reaches on one core of
+this host (each layer's fastest of ten rounds, at the model's own shapes: a prompt's rows for the prompt and question
+passes, a decode batch's for the answers) is a floor that no way of answering the grid with these FLOPs beats, whatever
+its bookkeeping. ``--timed`` sets beside the floor of the grid's samples of one task the phases of a sample of that task
+timed by ``scripts/ruler_cost.py --grid`` (its CPU seconds: seconds × threads). The result also counts the grid's decode
+steps by their rows (one step per sample and answer token after the first; its rows are the settings whose answer goes
+on). Prints the floor per dtype; ``--out`` writes JSON with its :func:`~kvsieve.provenance.provenance`
+(:mod:`kvsieve.results` renders it in the performance notes, ``docs/performance.md``).
 """
 
 from __future__ import annotations

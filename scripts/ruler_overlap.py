@@ -10,7 +10,7 @@ protocols, and the full cache), answered twice in one process per dtype: one sam
 batch as soon as their caches fit beside those still decoding). The two orders alternate between dtypes (the first
 dtype answers one at a time first). Each arm's forward passes are recorded: the prompt passes, the question parts and
 the decode steps by rows. Prints a table and writes JSON with its :func:`~kvsieve.provenance.provenance` (``--out``;
-:mod:`kvsieve.results` renders it on the long-context page).
+:mod:`kvsieve.results` renders it in the performance notes, ``docs/performance.md``).
 """
 
 from __future__ import annotations

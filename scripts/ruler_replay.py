@@ -3,16 +3,17 @@
     python scripts/ruler_replay.py --model qwen2.5-coder-0.5b --length 4096 --groups 2 --dtype bfloat16
     python scripts/ruler_replay.py --model qwen2.5-coder-1.5b --length 4096 --groups 2 --dtype float32
 
-The first ``niah_single_2`` sample of the length (seed 0, the built-in articles) under every setting of the default
-grid (every default policy at the default compressions, both protocols, and the full cache), in ``--groups`` groups
-of consecutive settings, as equal in number as they divide (a run splits them so where their caches do not fit its
-memory bound together: :func:`~kvsieve.ruler.predict.setting_groups`), each group's caches filled with
-their first tokens (:func:`~kvsieve.ruler.predict.prefill_together`: the prompt pass, then the agnostic settings'
-question part) in two arms: **passes**, each group by a model pass of its own, and **replay**, the first group's pass
-recorded and the next groups' replaying it (:class:`~kvsieve.ruler.predict.PromptPass`). The arms alternate over
-``--rounds`` rounds (the first round's order: passes first); each group's caches are freed once timed, after their
-held tokens are compared between the arms (every layer's held positions). Prints a table and writes JSON with its
-:func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it on the long-context page).
+The first ``niah_single_2`` sample of the length (seed 0, the built-in articles) under every setting of the default grid
+(every default policy at the default compressions, both protocols, and the full cache), in ``--groups`` groups of
+consecutive settings, as equal in number as they divide (a run splits them so where their caches do not fit its memory
+bound together: :func:`~kvsieve.ruler.predict.setting_groups`), each group's caches filled with their first tokens
+(:func:`~kvsieve.ruler.predict.prefill_together`: the prompt pass, then the agnostic settings' question part) in two
+arms: **passes**, each group by a model pass of its own, and **replay**, the first group's pass recorded and the next
+groups' replaying it (:class:`~kvsieve.ruler.predict.PromptPass`). The arms alternate over ``--rounds`` rounds (the
+first round's order: passes first); each group's caches are freed once timed, after their held tokens are compared
+between the arms (every layer's held positions). Prints a table and writes JSON with its
+:func:`~kvsieve.provenance.provenance` (``--out``; :mod:`kvsieve.results` renders it in the performance notes,
+``docs/performance.md``).
 """
 
 from __future__ import annotations

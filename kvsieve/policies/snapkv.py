@@ -38,7 +38,7 @@ class SnapKV(ScorePolicy):
     every published grid used); ``pooling="mean"`` is the other (a window's sum over ``kernel``, the places beyond
     either end and the window's tokens counting as 0, as ``avg_pool1d`` pads), kvpress's ``SnapKVPress`` rule: the
     mean is linear, so summing over the GQA group and the queries before pooling (kvsieve) ranks as averaging over
-    them (kvpress) does, up to round-off. Both are measured beside kvpress on RULER (``docs/long-context.md``). The
+    them (kvpress) does, up to round-off. Both are measured beside kvpress on RULER (``docs/results/kvpress.md``). The
     compiled loops pool by the maximum only: under the mean the policy's torch code runs (no ``scan_rule``).
 
     SnapKV compresses the prompt only; kvsieve keeps the cache bounded during decoding with the same rule

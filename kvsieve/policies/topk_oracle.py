@@ -24,7 +24,7 @@ class TopKOracle(Policy):
     the answer's queries are narrowed; tokens fed together are thus not fed as one step each (not ``row_additive``:
     the stream protocol feeds them one at a time). Top-k attention as Gupta et al. define it narrows every query
     over all its keys, the step's own included: on RULER at 4k that narrows the prompt pass too (a pass of its own
-    per setting), measured in ``docs/long-context.md``. A decode budget is refused: an eviction cache that grows
+    per setting), measured in ``docs/results/ruler.md``. A decode budget is refused: an eviction cache that grows
     after the prompt holds more than ``budget`` earlier tokens. The budget is per query head (each query head of a
     GQA group picks its own keys); ties as ``torch.topk`` breaks them. Needs the logits, so it runs the explicit
     (non-fused) attention. Where the budget is over half a row's keys, it finds the others instead (the row's lowest
