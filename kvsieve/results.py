@@ -9,7 +9,8 @@ A page (README.md, docs/*.md) holds blocks::
 ``PATH``, relative to the repository root, is either a result file — what ``kvsieve compare --json``, ``kvsieve
 bench --json`` (with or without a preset) or ``kvsieve reproduce --json`` (its claims table) printed, or
 ``scripts/ruler_cost.py``, ``ruler_floor.py``, ``ruler_overlap.py``, ``ruler_replay.py``, ``serve_soak.py --out`` or
-``kvpress_ruler.py`` (its ``kvpress_ruler.json``: the table over all tasks) wrote; each carries its
+``kvpress_ruler.py`` (its ``kvpress_ruler.json``: the table over all tasks) wrote; or ``kvsieve/architectures.py``,
+the architectures the test matrix checks (:func:`kvsieve.architectures.markdown`); each result carries its
 :func:`~kvsieve.provenance.provenance`, printed under the table — or the output directory of ``kvsieve ruler`` (its
 summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overview -->``: its one table per length,
 :func:`kvsieve.ruler.report.overview`; ``<!-- results: PATH claims -->``: the papers' claims checked on it,
@@ -439,6 +440,10 @@ def render_file(path: Path, view: str | None = None) -> str:
     """The markdown of the result at ``path``: a ``--json`` result file, or a ``kvsieve ruler`` output directory
     (its summary tables; ``view``: ``overview``, its one table per length, ``claims``, the papers' claims, or
     ``leaders``, the policies keeping the most answers at each compression)."""
+    if path.suffix == ".py":  # a module of the package that states a table (kvsieve/architectures.py): its markdown()
+        import importlib
+
+        return importlib.import_module(f"kvsieve.{path.stem}").markdown()
     if path.is_dir():
         from kvsieve.ruler import claims, report
 

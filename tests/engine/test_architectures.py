@@ -17,17 +17,10 @@ from transformers.masking_utils import create_causal_mask, create_chunked_causal
 
 import kvsieve
 import kvsieve.engine.attention as attention
+from kvsieve.architectures import EXACT, REFUSED
 from kvsieve.policies.h2o import H2O
 
 VOCAB = 96
-
-SUPPORTED = [
-    "apertus", "arcee", "cohere", "cohere2", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
-    "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "helium", "llama", "ministral",
-    "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2",
-    "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "stablelm", "starcoder2",
-]  # fmt: skip
-"""Architectures whose attention kvsieve implements exactly (the list is the test matrix)."""
 
 UNSUPPORTED = {
     "jetmoe": "did not receive the keys",  # transforms cached keys after cache.update()
@@ -36,6 +29,12 @@ UNSUPPORTED = {
     "qwen3_next": r"layer types \['linear_attention'\]",
     "llama4_text": r"layer types \['chunked_attention'\]",
 }
+"""What each refused architecture's error says (:data:`kvsieve.architectures.REFUSED`, the same names)."""
+
+
+def test_the_refused_architectures_are_the_ones_the_package_states() -> None:
+    assert sorted(UNSUPPORTED) == sorted(REFUSED)
+
 
 SIZES = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -102,7 +101,7 @@ def _reference(model: PreTrainedModel) -> torch.Tensor:
         model.set_attn_implementation(implementation)
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize("model_type", list(EXACT))
 def test_full_equals_the_models_own_attention_and_every_argument_is_known(model_type, monkeypatch) -> None:
     model = tiny_model(model_type)
     expected = _reference(model)
