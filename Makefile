@@ -1,5 +1,6 @@
 # Quick start: `make demo` (set up + run the main comparison) and `make test` (set up + run all tests, build the docs).
-# Both create and use the project-local virtualenv $(VENV). Another torch build: make demo TORCH_SPEC="torch==2.5.1"
+# Both create and use the project-local virtualenv $(VENV). Another torch: make demo TORCH_SPEC="torch==2.9.1", or a
+# build of your choice installed into $(VENV) first (docs/install.md)
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
