@@ -124,9 +124,14 @@ def _fallback_attention(fallback: str, module: torch.nn.Module) -> Callable[...,
 
 
 class _Pending(threading.local):
-    mask_kv_length: int | None = None  # a claimed mask: its number of keys
-    layer: Any = None  # a handed-over layer, and the key tensor whose attention call belongs to it
-    keys: torch.Tensor | None = None
+    """What a kvsieve cache layer hands to the next mask or attention call of its thread. Every field is set on the
+    instance from the start, so that writing one never adds a key to the instance's dict: a compiled frame guards
+    on that dict, and a frame that changed it would fail its own guards."""
+
+    def __init__(self) -> None:
+        self.mask_kv_length: int | None = None  # a claimed mask: its number of keys
+        self.layer: Any = None  # a handed-over layer, and the key tensor whose attention call belongs to it
+        self.keys: torch.Tensor | None = None
 
 
 _PENDING = _Pending()

@@ -5,6 +5,8 @@ kvsieve cache at its budget compiles as one graph: the recipe of docs/guarantees
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -47,6 +49,33 @@ def test_transformers_caches_compile_on_a_model_switched_to_kvsieve(tiny_factory
     assert model.config._attn_implementation.startswith("kvsieve")
     compiled = torch.compile(model.forward, fullgraph=True)
     assert _greedy(model, ids, cache(), compiled, 6) == before
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_called_directly_takes_the_prompt_then_the_decode_steps(tiny_factory, make_ids) -> None:
+    """``torch.compile(model.forward, dynamic=False)`` called on the prompt itself, then on each decode step, over a
+    ``StaticCache``, on a model switched to kvsieve's attention: the eager tokens. Run in a thread of its own, whose
+    kvsieve hand-over state (thread-local) is first read inside the compiled frame: reading it must change no guard
+    of that frame."""
+    model = tiny_factory("llama_gqa")
+    ids = make_ids(1, 48)
+    before = _greedy(model, ids, StaticCache(config=model.config, max_cache_len=64), model.forward, 6)
+    kvsieve.use_kvsieve_attention(model)
+    compiled = torch.compile(model.forward, dynamic=False)
+
+    def greedy() -> list[int]:
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        with torch.inference_mode():
+            token = compiled(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens = [token]
+            for i in range(5):
+                position = torch.tensor([[ids.shape[1] + i]])
+                token = compiled(token, cache=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
+                tokens.append(token)
+        return torch.cat(tokens, dim=1)[0].tolist()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(greedy).result() == before
 
 
 def _decode(model, policy: str, ids: torch.Tensor, forward, steps: int) -> list[list[int]]:
