@@ -175,7 +175,7 @@ def plan(quick: bool = False) -> Plan:
         "the context), the last third scored under that cache (AhaKV's, SnapKV's).",
         "Reading variants (no claim): `ahakv:sgs_tokens=kept` (SGS's i = tokens kept in the softmax) and "
         "`ahakv:sgs_decode=false` (SGS on the prompt only).",
-        "LongBench is not available offline: accuracy uses COPA and OpenBookQA from the offline pack, 5-shot, "
+        "LongBench is not available offline: accuracy uses COPA and PIQA from the offline pack, 5-shot, "
         f"{limit} document(s) per task.",
     ]
     return Plan("ahakv", TITLE, experiments, claims, views=views, notes=notes)

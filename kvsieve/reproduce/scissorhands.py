@@ -33,7 +33,7 @@ def plan(quick: bool = False) -> Plan:
         ),
         Grid(
             "mc",
-            "Scissorhands §5: multiple-choice accuracy at 20% (COPA, OpenBookQA)",
+            "Scissorhands §5: multiple-choice accuracy at 20% (COPA, PIQA)",
             MC_TASKS,
             ["full", "scissorhands", "h2o"],
             [0.2],
@@ -74,7 +74,7 @@ def plan(quick: bool = False) -> Plan:
         "the first token, every later token one at a time; budgets are shares of the text.",
         "scissorhands' `threshold`: `attended` (kvsieve's default reading) and `paper` are both in the grid; the "
         "claims use the default.",
-        "Multiple choice: COPA and OpenBookQA from the offline pack (MathQA is not in it), 5-shot; "
+        "Multiple choice: COPA and PIQA from the offline pack (MathQA is not in it), 5-shot; "
         f"{limit} document(s) per task, so differences of a few points are within noise.",
     ]
     return Plan("scissorhands", TITLE, experiments, claims, notes=notes)

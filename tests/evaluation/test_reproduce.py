@@ -18,7 +18,7 @@ from kvsieve.reproduce.ahakv import ablation_specs
 from kvsieve.reproduce.claims import Claim, Missing, Results, claims_table, tally
 from kvsieve.reproduce.experiments import CellExperiment, Context
 from kvsieve.reproduce.runner import check_plan, load_plan
-from kvsieve.results import render_file
+from kvsieve.results import command_line, render_file
 
 
 def _ppl_rows(values: dict[tuple[str, float], float]) -> list[dict[str, Any]]:
@@ -261,7 +261,7 @@ def test_cli_reproduce_quick(paper: str, tmp_path, monkeypatch, capsys) -> None:
     page = render_file(tmp_path / "printed.json")
     assert [line for line in page.splitlines() if line.startswith("| **")] == rows
     assert tally(first["claims"]) in report and tally(first["claims"]) in page
-    assert " ".join(first["provenance"]["command"]) in page
+    assert command_line(first["provenance"]["command"]) in page  # (its --out, an absolute path, by its name)
 
     assert run()["computed"] == 0  # resumed: every part found on disk
 
