@@ -17,7 +17,8 @@ summary tables, :func:`kvsieve.ruler.report.summary`; ``<!-- results: PATH overv
 :func:`kvsieve.ruler.claims.markdown`; ``<!-- results: PATH leaders -->``: the leading policies at each compression,
 :func:`kvsieve.ruler.report.leaders`). ``python -m kvsieve.results [PAGE ...]`` renders every block
 of the pages in place (default: README.md and every page under docs/); ``--check`` changes nothing and fails, naming
-the pages, where a page and its data disagree (the test suite runs the same check).
+the pages, where a page and its data disagree (the test suite runs the same check). A figure in prose is tied to its
+data the same way, inline: ``<!-- figure: PATH FIELD[:FORMAT] -->`` ... ``<!-- /figure -->`` (:func:`render`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from kvsieve.provenance import answered_on, host
 
-__all__ = ["command_line", "md_table", "pages", "render", "render_file", "shown", "stale_pages"]
+__all__ = ["command_line", "figure", "md_table", "pages", "render", "render_file", "shown", "stale_pages"]
 
 _BLOCK = re.compile(r"(<!-- results: (\S+)(?: (overview|claims|leaders))? -->\n)(.*?)(<!-- /results -->)", re.S)
 MIB = 1 << 20
@@ -463,9 +464,43 @@ def render_file(path: Path, view: str | None = None) -> str:
     return _renderer(result)(result) + "\n" + _origin(result)
 
 
+_FIGURE = re.compile(r"(<!-- figure: (\S+) ([^\s:]+)(?::(\S+))? -->)(.*?)(<!-- /figure -->)", re.S)
+_STEP = re.compile(r"(\w+)(?:\[(\w+)=([^\]]+)\]|\[(-?\d+)\])?")
+
+
+def figure(result: Any, field: str) -> Any:
+    """The value at ``field`` of a result: names joined by dots, each optionally followed by ``[KEY=VALUE]`` (the
+    one element of a list whose ``KEY`` reads ``VALUE``) or ``[INDEX]`` — ``rows[policy=h2o].ppl``. A ``ValueError``
+    naming the field where it leads nowhere."""
+    value = result
+    for step in field.split("."):
+        found = _STEP.fullmatch(step)
+        try:
+            value = value[found[1]]
+            if found[2] is not None:
+                (value,) = [item for item in value if str(item[found[2]]) == found[3]]
+            elif found[4] is not None:
+                value = value[int(found[4])]
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise ValueError(f"no single value at {field!r} (at {step!r})") from err
+    return value
+
+
 def render(text: str, root: Path) -> str:
-    """``text`` with every results block rendered from its data under ``root``."""
-    return _BLOCK.sub(lambda m: m[1] + render_file(root / m[2], view=m[3]) + m[5], text)
+    """``text`` with every results block rendered from its data under ``root``, and every inline figure::
+
+        <!-- figure: PATH FIELD[:FORMAT] -->(the value)<!-- /figure -->
+
+    the value at ``FIELD`` (:func:`figure`) of the result file ``PATH``, formatted with Python's ``FORMAT``."""
+    text = _BLOCK.sub(lambda m: m[1] + render_file(root / m[2], view=m[3]) + m[5], text)
+    results: dict[str, Any] = {}
+
+    def value(m: re.Match[str]) -> str:
+        if m[2] not in results:
+            results[m[2]] = json.loads((root / m[2]).read_text())
+        return m[1] + format(figure(results[m[2]], m[3]), m[4] or "") + m[6]
+
+    return _FIGURE.sub(value, text)
 
 
 def pages(root: Path) -> list[Path]:

@@ -99,3 +99,30 @@ def test_a_ruler_view_of_a_result_file_is_refused(compare_result, tmp_path, view
     (tmp_path / "r.json").write_text(json.dumps(compare_result))
     with pytest.raises(ValueError, match=f"`{view}` is a view of a kvsieve ruler directory"):
         render(f"<!-- results: r.json {view} -->\n<!-- /results -->", tmp_path)
+
+
+def test_a_figure_in_prose_is_read_from_its_data_and_a_typed_one_that_disagrees_fails_the_check(
+    compare_result, tmp_path
+):
+    (tmp_path / "r.json").write_text(json.dumps(compare_result))
+    h2o = next(r for r in compare_result["rows"] if r["policy"] == "h2o")
+    tag = "<!-- figure: r.json rows[policy=h2o].ppl:.2f -->"
+    page = tmp_path / "page.md"
+    page.write_text(f"h2o's perplexity is {tag}1.00<!-- /figure --> here.\n")  # (typed by hand, and wrong)
+    assert stale_pages(tmp_path, [page]) == [page]
+    assert results_main(["--check", "--root", str(tmp_path), str(page)]) == 1
+    assert results_main(["--root", str(tmp_path), str(page)]) == 0
+    assert page.read_text() == f"h2o's perplexity is {tag}{h2o['ppl']:.2f}<!-- /figure --> here.\n"
+    assert stale_pages(tmp_path, [page]) == []
+
+
+def test_figure_selects_by_key_or_index_and_names_a_field_that_leads_nowhere() -> None:
+    from kvsieve.results import figure
+
+    result = {"rows": [{"policy": "full", "ppl": 1.5}, {"policy": "h2o", "ppl": 2.5}], "n": 3}
+    assert figure(result, "rows[policy=h2o].ppl") == 2.5
+    assert figure(result, "rows[0].policy") == "full" and figure(result, "rows[-1].ppl") == 2.5
+    assert figure(result, "n") == 3
+    for field in ("rows[policy=tova].ppl", "rows[2].ppl", "rows[policy=h2o].kv", "missing"):
+        with pytest.raises(ValueError, match=r"no single value at"):
+            figure(result, field)
