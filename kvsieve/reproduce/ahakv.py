@@ -147,7 +147,7 @@ def plan(quick: bool = False) -> Plan:
         Claim(
             "AhaKV (accuracy)",
             "at a 20% budget ahakv is at least as accurate as h2o",
-            f"acc, 5-shot, {limit} doc(s) per (sub)task, prefill protocol",
+            f"acc, 5-shot, {limit} doc(s) per task, prefill protocol",
             accuracy_close("mc", "ahakv", "h2o", 0.2, MC_TASKS, 0.0),
         ),
     ]

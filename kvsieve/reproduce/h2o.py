@@ -79,7 +79,7 @@ def plan(quick: bool = False) -> Plan:
             trials,
         ),
     ]
-    mc = f"5-shot, {limit} doc(s) per (sub)task, stream protocol, budget 20% of each request"
+    mc = f"5-shot, {limit} doc(s) per task, stream protocol, budget 20% of each request"
     claims = [
         Claim(
             "H2O Fig. 2a",

@@ -59,7 +59,7 @@ def plan(quick: bool = False) -> Plan:
         Claim(
             "Scissorhands §5 (downstream tasks)",
             "at a 20% budget scissorhands keeps the full cache's accuracy",
-            f"acc, 5-shot, {limit} doc(s) per (sub)task, stream protocol; within 5 points",
+            f"acc, 5-shot, {limit} doc(s) per task, stream protocol; within 5 points",
             accuracy_close("mc", "scissorhands", "full", 0.2, MC_TASKS, 0.05),
         ),
         Claim(
