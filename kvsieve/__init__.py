@@ -21,6 +21,7 @@ _PUBLIC: dict[str, str] = {
     "SieveCache": "kvsieve.engine.cache",
     "UnsupportedModelError": "kvsieve.engine.attention",
     "compress": "kvsieve.qa",
+    "compress_context": "kvsieve.api",
     "generate": "kvsieve.api",
     "load_context": "kvsieve.qa",
     "load_model": "kvsieve.models",

@@ -15,10 +15,18 @@ from kvsieve.engine.cache import SieveCache, layer_types
 from kvsieve.engine.plan import SAME, DecodeBudget
 from kvsieve.engine.quant import kv_quant
 from kvsieve.engine.schedules import schedule_weights
-from kvsieve.policies import Policy, resolve_spec
+from kvsieve.policies import Asking, Policy, resolve_spec
 from kvsieve.profiling import profile
 
-__all__ = ["Generation", "eos_ids", "generate", "generated", "make_cache", "use_kvsieve_attention"]
+__all__ = [
+    "Generation",
+    "compress_context",
+    "eos_ids",
+    "generate",
+    "generated",
+    "make_cache",
+    "use_kvsieve_attention",
+]
 
 
 def make_cache(
@@ -81,6 +89,63 @@ def make_cache(
     )
     use_kvsieve_attention(model)
     return cache
+
+
+def compress_context(
+    model: PreTrainedModel,
+    cache: SieveCache,
+    input_ids: torch.Tensor,
+    asking: Asking | None = None,
+    attention_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 1,
+) -> torch.Tensor:
+    """Fill the empty ``cache`` with a context, ``input_ids`` ``[B, n]`` (left-padded where ``attention_mask`` says),
+    compressed to its budget; returns the logits of its last ``logits_to_keep`` tokens ``[B, logits_to_keep,
+    vocab]`` (0: of all).
+
+    Under a policy scored by probes of its own (``kvzip``) the context is held whole, each row's probes
+    (:meth:`~kvsieve.policies.base.Policy.probes`, written as ``asking`` says) are fed as probe passes (the rows'
+    ``j``-th probes left-padded into one) and the cache is then compressed (:meth:`SieveCache.hold`); otherwise
+    the context's forward pass compresses it, as any prompt."""
+    if cache.get_seq_length() != 0:
+        raise ValueError("compress_context fills an empty cache (make one, or reset() it)")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+    policies = cache.plan.resolve(input_ids.shape[1])
+    probed = next((policy for policy in policies if policy.probed), None)
+    if probed is not None and asking is None:
+        raise ValueError(f"{probed.name} needs to know how to ask the model about the context (asking=)")
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    fed = {"attention_mask": mask, "position_ids": positions, "logits_to_keep": logits_to_keep}
+    with torch.inference_mode():
+        if probed is None:
+            return model(input_ids=input_ids, cache=cache, use_cache=True, **fed).logits
+        cache.hold()
+        try:
+            logits = model(input_ids=input_ids, cache=cache, use_cache=True, **fed).logits
+            rows = [probed.probes(ids[keep.bool()].tolist(), asking) for ids, keep in zip(input_ids, mask, strict=True)]
+            with cache.probing():
+                for j in range(max(map(len, rows))):
+                    ids, probe_mask = _left_padded([row[j] if j < len(row) else [] for row in rows], input_ids)
+                    full = torch.cat([mask, probe_mask], dim=1)
+                    at = (full.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] :]
+                    model(input_ids=ids, attention_mask=full, position_ids=at, cache=cache, logits_to_keep=1)
+        except BaseException:
+            cache.reset()  # (nothing half-done: the cache is empty again)
+            raise
+        cache.compress()
+    return logits
+
+
+def _left_padded(rows: Sequence[Sequence[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of token ids left-padded to the longest (with token 0) as ``[B, L]``, and their mask."""
+    width = max(map(len, rows))
+    ids = like.new_zeros((len(rows), width))
+    mask = like.new_zeros((len(rows), width))
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=ids.dtype)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
 
 
 RESERVED_GENERATE_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "max_new_tokens"})

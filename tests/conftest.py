@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 
 import kvsieve
 from kvsieve.models import ensure_model
+from kvsieve.policies import Asking
 
 pytest.register_assert_rewrite("policy_runs")  # the shared reference checks keep pytest's assertion messages
 
@@ -179,6 +180,23 @@ def wiki_text() -> str:
     return builtin_text(min_chars=20000)
 
 
+ASKING = Asking(encode=lambda text: [3 + len(text) % 50, 4, 5], turn_end=[6, 7])
+"""How the tests ask a tiny model about a context (for a policy's probes): a request as three made-up tokens (which
+depend on its text), a turn's end as two."""
+
+
+def _probed(cache: Cache) -> bool:
+    """Whether ``cache`` is a kvsieve cache whose policy scores its prompt by probes."""
+    return isinstance(cache, kvsieve.SieveCache) and any(cls.probed for cls, *_ in cache.plan.layer_policies)
+
+
+def _at(cache: Cache, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The position ids of a decode step after :func:`kvsieve.compress_context`, which places each row's tokens by
+    its attention mask (as ``generate`` does); None otherwise (by the tokens seen, padding included: the same
+    relative positions)."""
+    return None if mask is None or not _probed(cache) else mask.sum(dim=-1, keepdim=True) - 1
+
+
 def _stream(
     model: PreTrainedModel,
     cache: Cache,
@@ -200,8 +218,12 @@ def _stream(
     outputs = []
     ids = prompt
     with torch.inference_mode():
-        for _ in range(steps + 1):
-            outputs.append(model(ids, attention_mask=mask, cache=cache, use_cache=True).logits.float())
+        for step in range(steps + 1):
+            if step == 0 and _probed(cache):  # (a policy scored by probes fills its cache through them)
+                logits = kvsieve.compress_context(model, cache, ids, ASKING, mask, logits_to_keep=0)
+            else:
+                logits = model(ids, attention_mask=mask, position_ids=_at(cache, mask), cache=cache).logits
+            outputs.append(logits.float())
             if on_step is not None:
                 on_step()
             ids = torch.randint(3, vocab, (prompt.shape[0], 1), generator=gen)

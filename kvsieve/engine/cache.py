@@ -191,6 +191,53 @@ class SieveCache(Cache):
             held = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
             restore_layer(layer, held, counted, prompt_len)
 
+    def hold(self) -> None:
+        """Evict nothing until :meth:`compress`: the forward passes from now on are stored whole (and not observed:
+        a bounded policy observes only what it may evict by), and :meth:`probing` passes score what is held. For a
+        policy that scores a context by passes of its own (``kvzip``): :func:`kvsieve.compress_context` holds the
+        context, feeds the policy's probes and compresses it."""
+        if self.holding:
+            raise ValueError("the cache already holds its tokens for compress()")
+        for layer in self.layers:
+            layer.holding = True
+
+    @property
+    def holding(self) -> bool:
+        """Whether the cache holds its tokens until :meth:`compress` (see :meth:`hold`)."""
+        return self.layers[0].holding
+
+    def compress(self) -> None:
+        """End :meth:`hold`: every layer evicts down to its prompt budget by its policy's priorities (what the held
+        passes and probes left), then decodes under its decode budget as after any prompt."""
+        if not self.holding:
+            raise ValueError("compress() ends a hold: call cache.hold() before the passes to compress")
+        for layer in self.layers:
+            layer.compress_held()
+        self.memo.clear()
+
+    @contextmanager
+    def probing(self) -> Iterator[SieveCache]:
+        """Within the block, forward passes are *probes* of what the cache holds (:meth:`hold`): each layer attends
+        a probe's tokens over the held ones and its own, its policy observes that attention, and the probe's tokens
+        are then removed — the cache holds and has seen what it held and had seen before, the held tokens' policy
+        state updated. A probe needs plain slots (no quantization, position rolling or recording) and is one step
+        whatever the stream protocol says (nothing is evicted while held); its outputs are the model's as if its tokens followed the held ones."""
+        if not self.holding:
+            raise ValueError("probes score held tokens: call cache.hold() before the passes to hold")
+        first = self.layers[0]
+        if isinstance(self.codec, KVQuant) or self.rolling or first.record_past:
+            raise ValueError("a probe needs plain slots: no kv_bits quantization, position rolling or recording")
+        if self.get_seq_length() == 0:
+            raise ValueError("a probe scores held tokens: feed the tokens to hold first")
+        for layer in self.layers:
+            layer.probing = True
+        try:
+            yield self
+        finally:
+            for layer in self.layers:
+                layer.probing = False
+            self.memo.clear()
+
     @property
     def stream(self) -> bool:
         """Whether forward passes follow the stream protocol: one forward over a sequence gives exactly the logits of

@@ -32,7 +32,7 @@ from kvsieve.engine.recording import Recording, record, roll_back
 from kvsieve.engine.rope import Rotary
 from kvsieve.engine.scan import run_length, scan, scannable
 from kvsieve.engine.slot_attention import AttentionArgs
-from kvsieve.engine.step import Chunk, columns_of, run_step, store_chunk
+from kvsieve.engine.step import Chunk, columns_of, probe_step, run_step, store_chunk
 from kvsieve.engine.storage import SlotStore
 from kvsieve.engine.stream import plan_chunks
 from kvsieve.policies import Policy, Slots
@@ -72,6 +72,8 @@ class SieveLayer(CacheLayerMixin):
         self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
         self.recording: Recording | None = None
         self.decoding = False  # past the prompt: the slot limit is the decode budget's (PolicyPlan.limit)
+        self.holding = False  # nothing evicted until compress_held() (SieveCache.hold)
+        self.probing = False  # steps are probes: observed, then removed (SieveCache.probing)
         self.victims: torch.Tensor | None = None  # [B, H, 1]: compiled steps write victims here (victims_buffer)
         self.ranked: torch.Tensor | None = None  # [B, H, N]: the slots in position order (ranked_buffer)
 
@@ -135,6 +137,12 @@ class SieveLayer(CacheLayerMixin):
         if self.policy is None:
             prompt = key_states.shape[-2] if self.prompt_tokens is None else self.prompt_tokens
             self.policy = self.plan.resolve(prompt)[self.layer_idx]
+        probed = next((p for p in self.plan.policies if p.probed), None) if self.tokens_seen == 0 else None
+        if probed is not None and not self.holding:  # (refused at the first layer, before anything is stored)
+            raise ValueError(
+                f"{probed.name} scores a context by passes of its own before compressing it: compress it with "
+                "kvsieve.compress_context (kvsieve.qa.compress, kvsieve ruler's agnostic protocol)"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif key_states.shape[0] != self.store.positions.shape[0]:
@@ -169,7 +177,7 @@ class SieveLayer(CacheLayerMixin):
         self.store = self.newest = self.policy = self.pending = None
         self.prompt_tokens = self.recording = None
         self.tokens_seen = 0
-        self.decoding = False
+        self.decoding = self.holding = self.probing = False
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -231,6 +239,10 @@ class SieveLayer(CacheLayerMixin):
             raise ValueError("a compiled step over quantized slots is not supported; run it eagerly")
         (new_keys, new_values), self.pending = self.pending, None
         q = new_keys.shape[2]
+        if self.probing:
+            padding = mask.new_tokens(q)
+            chunk = Chunk(query, new_keys, new_values, None if padding is None else padding.to(self.device))
+            return probe_step(self, chunk, args), None
         # The step's first tokens that are a prompt: all of a first step, unless set_prompt_length said fewer.
         prompt = (q if self.prompt_tokens is None else min(self.prompt_tokens, q)) if self.tokens_seen == q else 0
         self.prompt_tokens = None
@@ -297,10 +309,12 @@ class SieveLayer(CacheLayerMixin):
     @property
     def observes(self) -> bool:
         """Whether the step hands the policy its attention. Once a bounded policy's layer may grow without limit,
-        nothing is evicted again: its statistics would never be used. A policy that never evicts observes all the
-        same (the profiled schedule's Coverage measures)."""
+        nothing is evicted again: its statistics would never be used (nor while the layer is held, but for a probe,
+        which is observed for what it tells of the held tokens). A policy that never evicts observes all the same (the
+        profiled schedule's Coverage measures)."""
         policy = self.policy
-        return policy.needs_attention and not policy.narrows and (self.limit is not None or not policy.bounded)
+        bound = self.probing or self.limit is not None or not policy.bounded
+        return policy.needs_attention and not policy.narrows and bound
 
     def unshared(self) -> str | None:
         """Why the pending step cannot be stored as a shared prompt's (:meth:`store_prompt`); None if it can."""
@@ -327,8 +341,22 @@ class SieveLayer(CacheLayerMixin):
     @property
     def limit(self) -> int | None:
         """The most tokens the layer holds after a step now (the prompt's budget, or the decode budget's limit after
-        the prompt; None: no bound)."""
-        return self.plan.limit(self.layer_idx, self.decoding)
+        the prompt; None: no bound, or held until :meth:`compress_held`)."""
+        return None if self.holding else self.plan.limit(self.layer_idx, self.decoding)
+
+    def compress_held(self) -> None:
+        """End a hold (:meth:`SieveCache.hold`): evict what the layer holds down to its prompt budget, as a prompt
+        step evicts at its end (by the policy's priorities after everything it observed since the hold began)."""
+        self.holding = False
+        if self.store is None:
+            return
+        self.decoding = False  # (the held tokens are compressed as a prompt is)
+        self.store.limit = self.store_limit()
+        if self.store.stale is not None:
+            self.store.compact()
+        evict(self, self.store.view(self.newest))
+        self.store.release()
+        self.enter_phase(decoding=True)
 
     def n_keep(self, n: int) -> int:
         """The policy's ``n_keep`` under the current :attr:`limit`."""

@@ -71,6 +71,24 @@ def run_step(
     return out, weights
 
 
+def probe_step(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> torch.Tensor:
+    """A probe's step (:meth:`~kvsieve.engine.cache.SieveCache.probing`): its tokens stored after the held ones,
+    attended and observed like a prompt's, then removed — the layer holds the tokens it held before, their state as
+    the policy's observation left it, and has seen the tokens it had seen. Returns the output."""
+    store, q = layer.store, chunk.keys.shape[2]
+    if store.stale is not None:
+        store.compact()
+    newest, seen = layer.newest, layer.tokens_seen - q
+    slots, query_pos, start = store_chunk(layer, chunk.keys, chunk.values, chunk.padding, 0)
+    out = _attend(layer, chunk, slots, query_pos, start, args, False)[0]
+    store.release()
+    store.truncate(start)
+    layer.newest, layer.tokens_seen = newest, seen
+    if layer.layer_idx == layer.n_layers - 1:  # (the positions shared by the probe's layers must not outlive it)
+        layer.memo.clear()
+    return out
+
+
 def store_chunk(
     layer: SieveLayer, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor | None, offset: int
 ) -> tuple[Slots, torch.Tensor, int]:

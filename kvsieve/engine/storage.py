@@ -242,6 +242,11 @@ class SlotStore:
         _move_slot(self._slot_tensors(), self.used - 1, victim)
         self.used -= 1
 
+    def truncate(self, used: int) -> None:
+        """Forget the slots from ``used`` on (a probe's tokens, appended after the held ones: see
+        :func:`~kvsieve.engine.step.probe_step`); the buffers stay as they are until the next eviction."""
+        self.used = used
+
     def keep(self, chosen: torch.Tensor) -> None:
         """Keep only the slots ``chosen`` ``[B, H, k]`` (in slot order), gathered into buffers of ``limit`` slots."""
         self._map(lambda t: _gathered(t, chosen, int(self.limit)))

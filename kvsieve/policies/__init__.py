@@ -15,7 +15,7 @@ from typing import Any
 
 from kvsieve.engine.quant import QUANT_KEYS
 from kvsieve.engine.schedules import SCHEDULES
-from kvsieve.policies.base import REGISTRY, NoParams, Observation, Policy, Slots
+from kvsieve.policies.base import REGISTRY, Asking, NoParams, Observation, Policy, Slots
 
 MODULES = (
     "full",
@@ -32,6 +32,7 @@ MODULES = (
     "snapkv",
     "knorm",
     "topk_oracle",
+    "kvzip",
 )
 for _module in MODULES:
     importlib.import_module(f"{__name__}.{_module}")  # (each module registers its policy)
@@ -102,6 +103,7 @@ def resolve_spec(
 __all__ = [
     "MODULES",
     "REGISTRY",
+    "Asking",
     "NoParams",
     "Observation",
     "Policy",

@@ -33,6 +33,10 @@ protocol's scan and a decode step's victim then run without calling them, with t
 family states only its rule; the family's class (:mod:`kvsieve.policies.families`) is the rule's one torch
 statement, which the compiled loops are tested against.
 
+A policy that scores a context by passes of its own before compressing it (``kvzip``: the context reconstructed)
+states them with ``probes``: :func:`kvsieve.compress_context` holds the context, feeds each probe through the model
+(:meth:`~kvsieve.engine.cache.SieveCache.probing`: attended, observed, then removed) and compresses it.
+
 A new policy is one file in this package with a :func:`register`-decorated subclass.
 """
 
@@ -42,7 +46,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -79,6 +83,17 @@ def register(cls: P) -> P:
         raise ValueError(f"a policy named {cls.name!r} is already registered ({REGISTRY[cls.name].__qualname__})")
     REGISTRY[cls.name] = cls
     return cls
+
+
+@dataclass(frozen=True)
+class Asking:
+    """How a request to the model is written after a context, for a policy's probes (:meth:`Policy.probes`): the
+    caller's prompt layout (a chat template's user turn, or plain text)."""
+
+    encode: Callable[[str], list[int]]
+    """Text → its token ids, no special tokens added."""
+    turn_end: Sequence[int]
+    """The tokens after a request: the end of the user's turn and the assistant's header (empty without a template)."""
 
 
 @dataclass(frozen=True)
@@ -196,12 +211,16 @@ class Policy:
     """Inferred: whether the policy overrides :meth:`n_keep` (its target is not simply ``min(n, budget)``). The rows
     of a left-padded batch hold different numbers of tokens, so the engine then applies ``n_keep`` to each row's
     own count, as if the row were alone."""
+    probed: ClassVar[bool] = False
+    """Inferred: whether the policy overrides :meth:`probes` (it compresses a context only after passes of its
+    own: a cache under it is filled by :func:`kvsieve.compress_context`)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.narrows = cls.narrow is not Policy.narrow
         cls.needs_attention = cls.narrows or cls.observe is not Policy.observe
         cls.counts_rows = cls.n_keep is not Policy.n_keep
+        cls.probed = cls.probes is not Policy.probes
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         self.params = self.Params() if params is None else params
@@ -304,6 +323,12 @@ class Policy:
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         """``[B, H, N]`` priority of each slot (higher = kept); called when a step leaves more than ``n_keep``."""
         raise NotImplementedError(f"{self.name} keeps everything: it has no priorities")
+
+    def probes(self, context: Sequence[int], asking: Asking) -> list[list[int]]:
+        """The token ids of the passes that score a held ``context`` (its token ids, as fed) before it is compressed,
+        each fed after it and removed (:meth:`~kvsieve.engine.cache.SieveCache.probing`); ``asking``: how a request
+        is written after it. Override it to be scored so (default: no probe; a cache compresses as it is fed)."""
+        raise NotImplementedError(f"{self.name} scores a context as it is fed: it has no probes")
 
     def scan_rule(self) -> ScanRule | None:
         """What :meth:`observe`, :meth:`n_keep` and :meth:`keep_scores` compute, as a rule the engine's compiled loops

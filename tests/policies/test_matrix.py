@@ -79,8 +79,10 @@ def test_budget_at_least_length_equals_dynamic_cache(model, policy, stream, make
     assert cache.get_seq_length() == 44
 
 
-@policies
+@pytest.mark.parametrize("policy", [name for name, cls in REGISTRY.items() if not cls.probed])
 def test_left_padded_batch_equals_rows_alone(model_name, policy, tiny_models) -> None:
+    # (through transformers' generate, which a policy scored by probes cannot fill: kvzip's rows are checked in
+    # tests/policies/test_kvzip.py)
     # In float64, so that round-off (which differs between a batch and a row alone) cannot decide the near-ties a
     # random model's scores sometimes have. Every token of a row is distinct (permuted prompts, no repeated or pad
     # token generated), so every kept set shows in the logits.

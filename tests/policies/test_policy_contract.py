@@ -50,8 +50,10 @@ def test_what_the_engine_infers() -> None:
     }  # fmt: skip
     assert {name for name, cls in REGISTRY.items() if issubclass(cls, SinkWindow)} == {"local", "streaming_llm"}
     assert {name for name, cls in REGISTRY.items() if cls.needs_attention} == {
-        "h2o", "scissorhands", "ahakv", "tova", "snapkv", "topk_oracle", "h2o+strided", "h2o+fixed", "h2o+local"
+        "h2o", "scissorhands", "ahakv", "tova", "snapkv", "topk_oracle", "h2o+strided", "h2o+fixed", "h2o+local",
+        "kvzip",
     }  # fmt: skip
+    assert {name for name, cls in REGISTRY.items() if cls.probed} == {"kvzip"}
 
 
 def test_registering_a_second_policy_under_a_name_is_an_error() -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, PreTrainedModel
 
 import kvsieve
+from conftest import ASKING, _at, _probed
 from kvsieve.policies import REGISTRY
 
 VOCAB = 128
@@ -69,7 +70,11 @@ def _feed(model: PreTrainedModel, cache: Any, ids: torch.Tensor, mask: torch.Ten
             step = ids if t == 0 else steps[:, t - 1 : t]
             if t:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            logits.append(model(step, attention_mask=mask, cache=cache).logits.double())
+            if t == 0 and _probed(cache):  # (a policy scored by probes fills its cache through them)
+                out = kvsieve.compress_context(model, cache, step, ASKING, mask, logits_to_keep=0)
+            else:
+                out = model(step, attention_mask=mask, position_ids=_at(cache, mask), cache=cache).logits
+            logits.append(out.double())
             check(cache)
     return torch.cat(logits, dim=1)
 

@@ -1,0 +1,125 @@
+"""KVzip: its scores and kept tokens against the reconstruction probes run literally through eager attention over a
+plain ``DynamicCache``; the hold/probe contract of the engine; what is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvsieve
+from conftest import ASKING
+from kvsieve.policies.kvzip import KVzip, KVzipParams
+
+
+def _reference_scores(model, ids: torch.Tensor, probes: list[list[int]]) -> list[torch.Tensor]:
+    """Per layer ``[B, Hkv, n]``: each context token's largest probability from any probe query of its group."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    context = DynamicCache(config=eager.config)
+    with torch.inference_mode():
+        eager(input_ids=ids, cache=context, use_cache=True)
+        n, scores = ids.shape[1], None
+        for probe in probes:
+            out = eager(
+                input_ids=torch.tensor([probe]),
+                cache=copy.deepcopy(context),
+                use_cache=True,
+                output_attentions=True,
+            )
+            per_layer = []
+            for att in out.attentions:  # [B, Hq, q, n + q]
+                bsz, hq, q, _ = att.shape
+                kv = model.config.num_key_value_heads
+                per_layer.append(att[..., :n].reshape(bsz, kv, hq // kv, q, n).amax(dim=(2, 3)))
+            scores = per_layer if scores is None else [torch.maximum(a, b) for a, b in zip(scores, per_layer)]
+    return scores
+
+
+@pytest.mark.parametrize("chunk", [16, 100])
+def test_kvzip_keeps_the_top_reconstruction_scores(llama_gqa, make_ids, chunk) -> None:
+    ids, budget = make_ids(1, 40), 10
+    probes = KVzip(budget, KVzipParams(chunk=chunk, overlap=3)).probes(ids[0].tolist(), ASKING)
+    assert len(probes) == -(-40 // chunk)
+    reference = _reference_scores(llama_gqa, ids, probes)
+    cache = kvsieve.make_cache(llama_gqa, f"kvzip:chunk={chunk},overlap=3", budget, decode_budget=None)
+    kvsieve.compress_context(llama_gqa, cache, ids, ASKING)
+    assert cache.get_seq_length() == 40 and not cache.holding
+    for i, expected in enumerate(reference):
+        layer = cache.layers[i]
+        pos = layer.held_positions()
+        assert pos.shape[-1] == budget and layer.capacity == budget + 1  # (the held context's buffers are freed)
+        best = expected.topk(budget, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(pos.sort(dim=-1).values, best)
+        held = layer.held_state()["score"]
+        torch.testing.assert_close(held, expected.gather(-1, pos), rtol=1e-4, atol=1e-6)
+
+
+def test_kvzip_probes_quote_the_chunk_before() -> None:
+    policy = KVzip(5, KVzipParams(chunk=4, overlap=2))
+    probes = policy.probes(list(range(100, 110)), ASKING)
+    first, second, third = probes
+    assert first == [*ASKING.encode("Repeat the previous context exactly."), 6, 7, 100, 101, 102, 103]
+    request = ASKING.encode("Repeat the part of the previous context exactly, starting with")
+    assert second == [*request, 102, 103, 6, 7, 104, 105, 106, 107]
+    assert third == [*request, 106, 107, 6, 7, 108, 109]
+    assert KVzip(5, KVzipParams(chunk=4, overlap=0)).probes(list(range(8)), ASKING)[1][: len(request) + 1] == [
+        *request,
+        6,
+    ]
+
+
+def test_kvzip_batch_rows_are_scored_as_alone(llama_gqa, make_ids) -> None:
+    long, short = make_ids(1, 30, seed=3), make_ids(1, 22, seed=4)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 8, dtype=long.dtype), short], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :8] = 0
+    batch = kvsieve.make_cache(llama_gqa, "kvzip:chunk=12", 8, decode_budget=None)
+    kvsieve.compress_context(llama_gqa, batch, ids, ASKING, mask)
+    for row, alone_ids in enumerate([long, short]):
+        alone = kvsieve.make_cache(llama_gqa, "kvzip:chunk=12", 8, decode_budget=None)
+        kvsieve.compress_context(llama_gqa, alone, alone_ids, ASKING)
+        for a, b in zip(batch.layers, alone.layers, strict=True):
+            assert torch.equal(a.held_positions()[row].sort(-1).values, b.held_positions()[0].sort(-1).values)
+            torch.testing.assert_close(
+                a.held_state()["score"][row].sort(-1).values, b.held_state()["score"][0].sort(-1).values
+            )
+
+
+def test_a_probe_leaves_the_held_tokens_and_the_count_seen(llama_gqa, make_ids) -> None:
+    ids = make_ids(1, 20)
+    cache = kvsieve.make_cache(llama_gqa, "h2o", 8)
+    cache.hold()
+    with torch.inference_mode():
+        llama_gqa(input_ids=ids, cache=cache, use_cache=True)
+        before = [(layer.held_positions().clone(), layer.held_state()["score"].clone()) for layer in cache.layers]
+        assert all(pos.shape[-1] == 20 for pos, _ in before)  # (held: nothing evicted)
+        assert all(not score.any() for _, score in before)  # (a held prompt is not observed)
+        with cache.probing():
+            llama_gqa(input_ids=make_ids(1, 6, seed=9), cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 20
+    for layer, (pos, score) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.held_positions(), pos)
+        assert (layer.held_state()["score"] > score).any()  # (the probe's attention was observed)
+    cache.compress()
+    assert [layer.held_positions().shape[-1] for layer in cache.layers] == [8] * 3
+
+
+def test_kvzip_is_refused_where_no_probe_can_run(llama_gqa, make_ids) -> None:
+    cache = kvsieve.make_cache(llama_gqa, "kvzip", 8)
+    with pytest.raises(ValueError, match="kvsieve.compress_context"), torch.inference_mode():
+        llama_gqa(input_ids=make_ids(1, 12), cache=cache, use_cache=True)
+    cache = kvsieve.make_cache(llama_gqa, "kvzip", 8)
+    with pytest.raises(ValueError, match="asking="):
+        kvsieve.compress_context(llama_gqa, cache, make_ids(1, 12))
+    assert cache.get_seq_length() == 0
+    with pytest.raises(ValueError, match="call cache.hold"), cache.probing():
+        pass
+    quantized = kvsieve.make_cache(llama_gqa, "kvzip", 8, kv_bits=4, group_size=8)
+    with pytest.raises(ValueError, match="plain slots"):
+        kvsieve.compress_context(llama_gqa, quantized, make_ids(1, 12), ASKING)
+    assert quantized.get_seq_length() == 0 and not quantized.holding
+    with pytest.raises(ValueError, match="overlap"):
+        kvsieve.make_cache(llama_gqa, "kvzip:chunk=4,overlap=5", 8).resolve(12)
