@@ -25,6 +25,7 @@ __all__ = [
     "generate",
     "generated",
     "make_cache",
+    "probe_context",
     "use_kvsieve_attention",
 ]
 
@@ -122,18 +123,35 @@ def compress_context(
         cache.hold()
         try:
             logits = model(input_ids=input_ids, cache=cache, use_cache=True, **fed).logits
-            rows = [probed.probes(ids[keep.bool()].tolist(), asking) for ids, keep in zip(input_ids, mask, strict=True)]
-            with cache.probing():
-                for j in range(max(map(len, rows))):
-                    ids, probe_mask = _left_padded([row[j] if j < len(row) else [] for row in rows], input_ids)
-                    full = torch.cat([mask, probe_mask], dim=1)
-                    at = (full.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] :]
-                    model(input_ids=ids, attention_mask=full, position_ids=at, cache=cache, logits_to_keep=1)
+            probe_context(model, cache, input_ids, asking, mask)
         except BaseException:
             cache.reset()  # (nothing half-done: the cache is empty again)
             raise
         cache.compress()
     return logits
+
+
+def probe_context(
+    model: PreTrainedModel,
+    cache: SieveCache,
+    input_ids: torch.Tensor,
+    asking: Asking,
+    attention_mask: torch.Tensor | None = None,
+) -> None:
+    """Feed the probes of ``cache``'s policy for the context it holds (:meth:`SieveCache.hold`), ``input_ids``
+    ``[B, n]`` as it was fed (left-padded where ``attention_mask`` says): each row's ``j``-th probes, left-padded
+    into one pass, placed after the row's own tokens (:meth:`SieveCache.probing`)."""
+    probed = next((policy for policy in cache.plan.resolve(input_ids.shape[1]) if policy.probed), None)
+    if probed is None:
+        raise ValueError(f"{cache.policy_name} has no probes: its cache is compressed as the context is fed")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+    rows = [probed.probes(ids[keep.bool()].tolist(), asking) for ids, keep in zip(input_ids, mask, strict=True)]
+    with torch.inference_mode(), cache.probing():
+        for j in range(max(map(len, rows))):
+            ids, probe_mask = _left_padded([row[j] if j < len(row) else [] for row in rows], input_ids)
+            full = torch.cat([mask, probe_mask], dim=1)
+            at = (full.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] :]
+            model(input_ids=ids, attention_mask=full, position_ids=at, cache=cache, logits_to_keep=1)
 
 
 def _left_padded(rows: Sequence[Sequence[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

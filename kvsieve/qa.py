@@ -27,6 +27,7 @@ of its config and first embedding rows, dtype, policy, parameters, budgets, the 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -39,13 +40,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.api import generated, make_cache
+from kvsieve.api import compress_context, generated, make_cache
 from kvsieve.engine.budget import Budget
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.plan import DecodeBudget
-from kvsieve.policies import Policy, resolve_spec
+from kvsieve.policies import Asking, Policy, resolve_spec
 
-__all__ = ["ContextQA", "compress", "load_context", "split_prompt"]
+__all__ = ["ContextQA", "asking", "compress", "load_context", "split_prompt"]
 
 SEPARATOR = "\n\n"
 """Between the context and the question in the user turn."""
@@ -67,6 +68,19 @@ def split_prompt(tokenizer: PreTrainedTokenizerBase, context: str, chat_template
     if not found or context not in before:
         raise ValueError("the tokenizer's chat template changes the context or the question; cannot split the prompt")
     return before, "{question}" + after.replace("{", "{{").replace("}", "}}")
+
+
+def asking(tokenizer: PreTrainedTokenizerBase, chat_template: bool = True) -> Asking:
+    """How a request is written after a context split by :func:`split_prompt` (for a policy's probes): its text,
+    then the question part's end (the rest of the user turn and the assistant's header; ``"\n"`` without a chat
+    template; nothing with ``chat_template=False``)."""
+    after = split_prompt(tokenizer, "", chat_template)[1].removeprefix("{question}").format()
+    encode = functools.partial(_encode, tokenizer)
+    return Asking(encode=encode, turn_end=encode(after))
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 class ContextQA:
@@ -212,8 +226,7 @@ def compress(
     special = not (chat_template and tokenizer.chat_template)  # (a template writes its own special tokens)
     ids = tokenizer(context_text, add_special_tokens=special, return_tensors="pt")["input_ids"].to(model.device)
     cache.resolve(ids.shape[1])  # (invalid budgets fail before any work)
-    with torch.inference_mode():
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    compress_context(model, cache, ids, asking(tokenizer, chat_template))
     return ContextQA(model, tokenizer, cache, ids, question_template, spec)
 
 

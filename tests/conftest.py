@@ -185,16 +185,16 @@ ASKING = Asking(encode=lambda text: [3 + len(text) % 50, 4, 5], turn_end=[6, 7])
 depend on its text), a turn's end as two."""
 
 
-def _probed(cache: Cache) -> bool:
+def is_probed(cache: Cache) -> bool:
     """Whether ``cache`` is a kvsieve cache whose policy scores its prompt by probes."""
     return isinstance(cache, kvsieve.SieveCache) and any(cls.probed for cls, *_ in cache.plan.layer_policies)
 
 
-def _at(cache: Cache, mask: torch.Tensor | None) -> torch.Tensor | None:
+def decode_positions(cache: Cache, mask: torch.Tensor | None) -> torch.Tensor | None:
     """The position ids of a decode step after :func:`kvsieve.compress_context`, which places each row's tokens by
     its attention mask (as ``generate`` does); None otherwise (by the tokens seen, padding included: the same
     relative positions)."""
-    return None if mask is None or not _probed(cache) else mask.sum(dim=-1, keepdim=True) - 1
+    return None if mask is None or not is_probed(cache) else mask.sum(dim=-1, keepdim=True) - 1
 
 
 def _stream(
@@ -219,10 +219,10 @@ def _stream(
     ids = prompt
     with torch.inference_mode():
         for step in range(steps + 1):
-            if step == 0 and _probed(cache):  # (a policy scored by probes fills its cache through them)
+            if step == 0 and is_probed(cache):  # (a policy scored by probes fills its cache through them)
                 logits = kvsieve.compress_context(model, cache, ids, ASKING, mask, logits_to_keep=0)
             else:
-                logits = model(ids, attention_mask=mask, position_ids=_at(cache, mask), cache=cache).logits
+                logits = model(ids, attention_mask=mask, position_ids=decode_positions(cache, mask), cache=cache).logits
             outputs.append(logits.float())
             if on_step is not None:
                 on_step()

@@ -215,13 +215,27 @@ class SieveCache(Cache):
             layer.compress_held()
         self.memo.clear()
 
+    def adopt_state(self, source: SieveCache) -> None:
+        """Take the policy state of ``source``: a cache of the same policy and parameters (any budget) that holds the
+        very tokens this one holds, both held (:meth:`hold`; e.g. filled by one shared prompt pass) — what its probes
+        observed, without probing again."""
+        if not (self.holding and source.holding) or self.plan.layer_policies != source.plan.layer_policies:
+            raise ValueError("only held caches of the same policy and parameters can share their state")
+        for mine, theirs in zip(self.layers, source.layers, strict=True):
+            a, b = mine.store, theirs.store
+            if a.used != b.used or not torch.equal(a.positions[:, :, : a.used], b.positions[:, :, : b.used]):
+                raise ValueError("only caches holding the same tokens can share their state")
+            for name, state in a.state.items():
+                state[:, :, : a.used] = b.state[name][:, :, : b.used]
+
     @contextmanager
     def probing(self) -> Iterator[SieveCache]:
         """Within the block, forward passes are *probes* of what the cache holds (:meth:`hold`): each layer attends
         a probe's tokens over the held ones and its own, its policy observes that attention, and the probe's tokens
         are then removed — the cache holds and has seen what it held and had seen before, the held tokens' policy
         state updated. A probe needs plain slots (no quantization, position rolling or recording) and is one step
-        whatever the stream protocol says (nothing is evicted while held); its outputs are the model's as if its tokens followed the held ones."""
+        whatever the stream protocol says (nothing is evicted while held); its outputs are the model's as if its
+        tokens followed the held ones."""
         if not self.holding:
             raise ValueError("probes score held tokens: call cache.hold() before the passes to hold")
         first = self.layers[0]

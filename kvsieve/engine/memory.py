@@ -8,7 +8,9 @@ original position (int64) and the policy's per-slot state. The slot count follow
 (:func:`~kvsieve.engine.storage.grown_capacity`): a bounded layer never holds more than ``budget + 1`` slots
 between steps; an unbounded one (``full``) grows with the tokens fed. The prefill of a prompt longer than a bounded
 layer's slots holds the prompt in one layer at a time, until that layer's eviction gathers it into ``budget + 1``
-slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends.
+slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends. A policy scored by probes
+(``kvzip``) holds the prompt in every layer, and a probe's tokens besides (counted as the prompt's again), until it
+compresses.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
     kv_bytes = cache.codec.slot_bytes(head_dim, model.dtype)
     fixed_bytes = cache.codec.fixed_bytes(head_dim, model.dtype, kv_heads)
     fed = prompt_tokens + max_tokens - 1
-    steady, transient, fixed = 0, 0, True
+    steady, transient, held, fixed = 0, 0, 0, True
+    probed = any(policy.probed for policy in policies)
     for policy in policies:
         state = sum(math.prod(extra) * dtype.itemsize for extra, dtype in policy.state_spec().values())
         slot = kv_heads * (kv_bytes + POSITION_BYTES + state)
@@ -66,6 +69,9 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
         fixed &= capacity == limit
         if prompt_tokens > limit:
             transient = max(transient, prompt_tokens * slot)
+        held += 2 * prompt_tokens * slot  # (probed: the prompt and a probe in every layer)
+    if probed:
+        transient = max(transient, held - steady)
     layout = repr((cache.plan.layer_policies, cache.budgets, cache.rolling, cache.codec))
     return Reservation(steady=steady, peak=steady + transient, layout=layout, fixed=fixed)
 

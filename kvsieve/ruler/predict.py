@@ -28,10 +28,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from kvsieve.api import eos_ids, generated, make_cache
+from kvsieve.api import compress_context, eos_ids, generated, make_cache, probe_context
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.memory import Reservation, available_memory, recorded_pass_bytes, reservation
 from kvsieve.engine.shared import RecordedPass, SharedPrompt, StackedRows
+from kvsieve.policies import Asking, get_policy
+from kvsieve.qa import asking as qa_asking
 from kvsieve.ruler.scoring import score
 from kvsieve.ruler.tasks import Sample
 
@@ -122,9 +124,11 @@ def predict(
     tail: Sequence[int],
     setting: Setting,
     max_new_tokens: int,
+    asking: Asking | None = None,
 ) -> tuple[str, int, float, float]:
     """The greedy answer to the prompt ``head + tail`` (context part, question part) under ``setting``: its text,
-    its tokens, the seconds to its first token and in all (see the module docstring for the protocols)."""
+    its tokens, the seconds to its first token and in all (see the module docstring for the protocols; ``asking``:
+    how a policy's probes ask about the context, default :func:`kvsieve.qa.asking` of the tokenizer)."""
     device = model.device
     ids = torch.tensor([[*head, *tail]], device=device)
     start = time.perf_counter()
@@ -133,7 +137,7 @@ def predict(
     with torch.inference_mode():
         if agnostic:
             cache.resolve(len(head))
-            model(input_ids=ids[:, : len(head)], cache=cache, use_cache=True, logits_to_keep=1)
+            compress_context(model, cache, ids[:, : len(head)], asking or qa_asking(tokenizer))
         else:
             cache.resolve(ids.shape[1])
             cache.set_prompt_length(ids.shape[1])
@@ -206,16 +210,23 @@ def prefill_together(
     settings: Sequence[Setting],
     max_new_tokens: int,
     prompt_pass: PromptPass | None = None,
+    asking: Asking | None = None,
 ) -> list[Row]:
     """The rows of ``settings`` for the prompt ``head + tail`` (context part, question part), each with its first
     token: one forward pass of the prompt fills every setting's cache (:class:`~kvsieve.engine.shared.SharedPrompt`;
     an ``agnostic`` cache takes the context part) — or ``prompt_pass``, for the groups of settings of one prompt
-    filled one after another — then the question part is fed to the ``agnostic`` caches as the rows of one batch."""
+    filled one after another — then the question part is fed to the ``agnostic`` caches as the rows of one batch.
+    An ``agnostic`` cache whose policy is scored by probes (``kvzip``) is held through the pass, probed (``asking``:
+    see :func:`predict`; the caches of one policy spec probed once, the others adopting its state) and compressed
+    first; the probes' seconds count in its first token's."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
     agnostic = [s.compresses_context for s in settings]
     caches = [_cache(model, s) for s in settings]
     ends = [len(head) if a else None for a in agnostic]
+    probed = [i for i in range(n) if agnostic[i] and get_policy(settings[i].policy).probed]
+    for i in probed:
+        caches[i].hold()
     start = time.perf_counter()
     with torch.inference_mode():
         if prompt_pass is None:
@@ -224,6 +235,20 @@ def prefill_together(
             token = prompt_pass.fill(model, ids, caches, ends)
         tokens = [token] * n
         first_s = [time.perf_counter() - start] * n
+        scored: dict[str, tuple[SieveCache, float]] = {}  # (policy spec → its probed cache, the probes' seconds)
+        for i in probed:
+            spec = settings[i].policy
+            if spec in scored:
+                caches[i].adopt_state(scored[spec][0])
+            else:
+                began = time.perf_counter()
+                if asking is None:
+                    raise ValueError(f"{spec} asks the model about the context: give prefill_together an asking")
+                probe_context(model, caches[i], ids[:, : len(head)], asking)
+                scored[spec] = caches[i], time.perf_counter() - began
+            first_s[i] += scored[spec][1]
+        for i in probed:
+            caches[i].compress()
         asking = [i for i in range(n) if agnostic[i]]
         if asking:
             question = ids[:, len(head) :].expand(len(asking), -1)
@@ -303,11 +328,12 @@ def predict_together(
     tail: Sequence[int],
     settings: Sequence[Setting],
     max_new_tokens: int,
+    asking: Asking | None = None,
 ) -> list[tuple[str, int, float, float]]:
     """:func:`predict` for each of ``settings`` at once, with the same answers (tested): their rows from one prompt
     pass (:func:`prefill_together`), decoded as one batch (:class:`Decoding`), in the order of ``settings``."""
     decoding = Decoding(model, tokenizer)
-    rows = prefill_together(model, head, tail, settings, max_new_tokens)
+    rows = prefill_together(model, head, tail, settings, max_new_tokens, asking=asking or qa_asking(tokenizer))
     decoding.join(rows)
     while decoding.rows:
         decoding.step()
@@ -377,6 +403,7 @@ def answers(
     tokenizer: PreTrainedTokenizerBase,
     units: Iterable[Unit],
     kv_memory: int | None = None,
+    asking: Asking | None = None,
 ) -> Iterator[tuple[int, Setting, dict[str, Any]]]:
     """Each unit's answers, as ``(unit index, setting, cell)`` — a cell as stored: text, score, tokens, timings —
     handed over as each answer ends. The units are taken in order, one group of settings at a time: a group is
@@ -386,7 +413,9 @@ def answers(
     joining the answers being decoded (:class:`Decoding`). A group is taken as soon as its caches fit beside
     those of the answers being decoded (where the memory free cannot be read: once those are all done), so that
     the next samples' answers fill the batch while a sample's longest answers finish. Units are read only when
-    their turn comes."""
+    their turn comes. ``asking``: how a policy's probes ask about a context (default: :func:`kvsieve.qa.asking` of
+    the tokenizer, with its chat template)."""
+    asking = asking or qa_asking(tokenizer)
     if kv_memory is None:
         free = available_memory(model.device)
         kv_memory = None if free is None else free // 2
@@ -412,7 +441,7 @@ def answers(
             need = sum(needs[s].peak for s in group) + (0 if prompt_pass is None else recording)
             while decoding.rows and (kv_memory is None or decoding.held + need > kv_memory):
                 yield from handed(decoding.step())
-            rows = prefill_together(model, *prompt, group, limit, prompt_pass)
+            rows = prefill_together(model, *prompt, group, limit, prompt_pass, asking)
             if number == len(groups) - 1:
                 prompt_pass = None
             for row in rows:
@@ -435,7 +464,8 @@ def answer(
     prompt: tuple[Sequence[int], Sequence[int]],
     settings: Sequence[Setting],
     kv_memory: int | None = None,
+    asking: Asking | None = None,
 ) -> Iterator[tuple[Setting, dict[str, Any]]]:
     """:func:`answers` of one sample: ``(setting, cell)`` as each answer ends (what a Ray task computes)."""
-    for _, setting, cell in answers(model, tokenizer, [(sample, prompt, settings)], kv_memory):
+    for _, setting, cell in answers(model, tokenizer, [(sample, prompt, settings)], kv_memory, asking):
         yield setting, cell

@@ -108,7 +108,8 @@ def haystack_name(file: str | Path | None) -> str:
 def grid_settings(policies: Sequence[str], compressions: Sequence[float], protocols: Sequence[str]) -> list[Setting]:
     """The full cache once (for the policies without a budget: ``full``), then every protocol × policy with a budget
     × compression (``topk_oracle`` too: a budget narrows its attention; question-aware only, since it chooses keys
-    knowing each query, the question's too; checked: known policies and protocols, compressions in (0, 1))."""
+    knowing each query, the question's too; a policy scored by probes, ``kvzip``: question-agnostic only, since it
+    compresses a context before any question; checked: known policies and protocols, compressions in (0, 1))."""
     for protocol in protocols:
         if protocol not in QUESTION_MODES:
             raise ValueError(f"protocol must be one of {', '.join(QUESTION_MODES)}, got {protocol!r}")
@@ -122,13 +123,19 @@ def grid_settings(policies: Sequence[str], compressions: Sequence[float], protoc
             f"{narrowing[0]} chooses keys knowing each query, the question's too: it has question-aware cells only "
             "(add the protocol aware)"
         )
+    probed = [p for p in budgeted if get_policy(p).probed]
+    if probed and "agnostic" not in protocols:
+        raise ValueError(
+            f"{probed[0]} compresses a context before the question is known: it has question-agnostic cells only "
+            "(add the protocol agnostic)"
+        )
     settings = [FULL] if len(budgeted) < len(policies) or not policies else []
     settings += [
         Setting(q, p, c)
         for q in protocols
         for p in budgeted
         for c in compressions
-        if q == "aware" or p not in narrowing
+        if (q == "aware" or p not in narrowing) and (q == "agnostic" or p not in probed)
     ]
     return settings
 
@@ -168,7 +175,8 @@ def _sample_task(
     model."""
     torch.set_num_threads(threads)
     model, tokenizer = _worker_model(grid.model, grid.dtype, device)
-    return {setting.key: p for setting, p in answer(model, tokenizer, sample, prompt, settings, kv_memory)}
+    asking = Prompter(tokenizer, grid.chat_template).asking()
+    return {setting.key: p for setting, p in answer(model, tokenizer, sample, prompt, settings, kv_memory, asking)}
 
 
 class SamplesFailed(RuntimeError):
@@ -293,7 +301,7 @@ def run_ruler(
                     taken.append((sample, cells))
                     yield sample, prompt, list(cells)
 
-            for index, setting, prediction in answers(model, tokenizer, taking(), kv_memory):
+            for index, setting, prediction in answers(model, tokenizer, taking(), kv_memory, prompter.asking()):
                 sample, cells = taken[index]
                 cells[setting].predictions[sample.index] = prediction
                 cells[setting].write()

@@ -65,7 +65,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.qa import split_prompt
+from kvsieve.policies import Asking
+from kvsieve.qa import asking, split_prompt
 
 __all__ = ["GENERATOR", "TASKS", "Prompter", "Sample", "Sources", "generate_samples", "load_samples", "sentences"]
 
@@ -122,6 +123,11 @@ class Prompter:
         special = not self.chat_template  # (a template writes its own special tokens)
         head = self.tokenizer(before, add_special_tokens=special).input_ids
         return head, self.tokenizer(asked, add_special_tokens=False).input_ids
+
+    def asking(self) -> Asking:
+        """How a policy's probes ask the model about a context fed as :meth:`ids` feeds it
+        (:func:`kvsieve.qa.asking`)."""
+        return asking(self.tokenizer, self.chat_template)
 
     def count(self, context: str, question: str, answer_prefix: str) -> int:
         head, tail = self.ids(context, question, answer_prefix)

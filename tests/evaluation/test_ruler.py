@@ -322,10 +322,10 @@ def test_grid_is_full_once_then_protocol_policy_compression() -> None:
 
 
 def test_default_policies_are_all_but_the_oracle() -> None:
-    """Every registered policy but the reference that saves no memory (topk_oracle); 113 settings at the default
-    compressions under both protocols."""
+    """Every registered policy but the reference that saves no memory (topk_oracle); 117 settings at the default
+    compressions under both protocols (kvzip's question-agnostic only)."""
     assert default_policies() == [name for name in REGISTRY if name != "topk_oracle"]
-    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 113
+    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 117
 
 
 def test_a_policy_with_a_budget_but_no_bound_gets_its_own_question_aware_settings() -> None:
@@ -335,6 +335,14 @@ def test_a_policy_with_a_budget_but_no_bound_gets_its_own_question_aware_setting
     assert both == [Setting("agnostic", "h2o", 0.5), Setting("aware", "h2o", 0.5), Setting("aware", "topk_oracle", 0.5)]
     with pytest.raises(ValueError, match=r"topk_oracle chooses keys knowing each query.*question-aware cells only"):
         grid_settings(["topk_oracle"], [0.5], ["agnostic"])
+    # (kvzip compresses a context before any question: question-agnostic cells only)
+    assert grid_settings(["kvzip", "h2o"], [0.5], ["agnostic", "aware"]) == [
+        Setting("agnostic", "kvzip", 0.5),
+        Setting("agnostic", "h2o", 0.5),
+        Setting("aware", "h2o", 0.5),
+    ]
+    with pytest.raises(ValueError, match=r"kvzip compresses a context before .*question-agnostic cells only"):
+        grid_settings(["kvzip"], [0.5], ["aware"])
 
 
 def test_sources_too_small_for_the_length_are_an_error_not_a_hang(prompter) -> None:
@@ -378,9 +386,9 @@ def _count_predict(monkeypatch) -> list[tuple[str, int]]:
         calls.append((setting.key, len(head) + len(tail)))
         return alone(model, tokenizer, head, tail, setting, max_new_tokens)
 
-    def counted_together(model, head, tail, settings, max_new_tokens, prompt_pass=None):
+    def counted_together(model, head, tail, settings, max_new_tokens, prompt_pass=None, asking=None):
         calls.extend((setting.key, len(head) + len(tail)) for setting in settings)
-        return together(model, head, tail, settings, max_new_tokens, prompt_pass)
+        return together(model, head, tail, settings, max_new_tokens, prompt_pass, asking)
 
     monkeypatch.setattr(ruler_predict, "predict", counted)
     monkeypatch.setattr(ruler_predict, "prefill_together", counted_together)
@@ -620,6 +628,7 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     model, tok = tiny64
     head, tail = prompt_ids
     policies = ["full", "h2o", "tova", "snapkv", "scissorhands", "ahakv", "streaming_llm", "knorm", "topk_oracle"]
+    policies += ["kvzip", "kvzip:chunk=64"]  # (probed once per spec: its other compression adopts the state)
     shared = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
     assert Setting("aware", "topk_oracle", 0.9) in shared
     got = predict_together(model, tok, head, tail, shared, 6)

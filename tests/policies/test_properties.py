@@ -16,12 +16,12 @@ import typing
 from typing import Any
 
 import torch
+from conftest import ASKING, decode_positions, is_probed
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, PreTrainedModel
 
 import kvsieve
-from conftest import ASKING, _at, _probed
 from kvsieve.policies import REGISTRY
 
 VOCAB = 128
@@ -70,10 +70,10 @@ def _feed(model: PreTrainedModel, cache: Any, ids: torch.Tensor, mask: torch.Ten
             step = ids if t == 0 else steps[:, t - 1 : t]
             if t:
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            if t == 0 and _probed(cache):  # (a policy scored by probes fills its cache through them)
+            if t == 0 and is_probed(cache):  # (a policy scored by probes fills its cache through them)
                 out = kvsieve.compress_context(model, cache, step, ASKING, mask, logits_to_keep=0)
             else:
-                out = model(step, attention_mask=mask, position_ids=_at(cache, mask), cache=cache).logits
+                out = model(step, attention_mask=mask, position_ids=decode_positions(cache, mask), cache=cache).logits
             logits.append(out.double())
             check(cache)
     return torch.cat(logits, dim=1)
