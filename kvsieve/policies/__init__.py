@@ -33,6 +33,7 @@ MODULES = (
     "knorm",
     "topk_oracle",
     "kvzip",
+    "keydiff",
 )
 for _module in MODULES:
     importlib.import_module(f"{__name__}.{_module}")  # (each module registers its policy)

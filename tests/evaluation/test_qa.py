@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 import kvsieve
 from kvsieve.cli import main
-from kvsieve.qa import split_prompt
+from kvsieve.qa import asking, split_prompt
 
 PHASE_POLICIES = ["h2o", "scissorhands", "snapkv", "streaming_llm", "knorm", "tova", "ahakv"]
 
@@ -167,7 +167,8 @@ def test_answers_are_greedy_decoding_over_the_context_compressed_before_the_ques
 
 
 @pytest.mark.parametrize(
-    ("policy", "decode_budget"), [("h2o", None), ("h2o", 0.3), ("scissorhands", 0.3), ("streaming_llm", 0.27)]
+    ("policy", "decode_budget"),
+    [("h2o", None), ("h2o", 0.3), ("scissorhands", 0.3), ("streaming_llm", 0.27), ("kvzip:chunk=40", None)],
 )
 def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny_lm, policy, decode_budget) -> None:
     """Batched questions (padding between context and question) answer as each asked alone, with the question part
@@ -195,6 +196,16 @@ def test_many_questions_equal_each_asked_alone_and_never_change_the_context(tiny
     assert qa.ask(QUESTIONS[0], max_new_tokens=8) == answers[0]  # (asked again: the same)
 
 
+def test_probes_ask_as_the_question_part_does(tokenizer) -> None:
+    """kvzip's probes follow the context as a question would: the request, then the end of the user's turn and the
+    assistant's header as the chat template writes them (nothing after the request without a template)."""
+    template = split_prompt(tokenizer, "CONTEXT")[1]
+    ask = asking(tokenizer)
+    assert tokenizer.decode(ask.turn_end) == template.format(question="")
+    assert ask.encode("Repeat it.") == tokenizer("Repeat it.", add_special_tokens=False).input_ids
+    assert asking(tokenizer, chat_template=False).turn_end == []
+
+
 def test_prompt_split_follows_the_chat_template(tokenizer) -> None:
     context_part, template = split_prompt(tokenizer, "CONTEXT {x}")
     whole = tokenizer.apply_chat_template(
@@ -204,7 +215,9 @@ def test_prompt_split_follows_the_chat_template(tokenizer) -> None:
     assert context_part.endswith("CONTEXT {x}\n\n")
 
 
-@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "streaming_llm", "h2o:kv_bits=4,group_size=8,residual=4"])
+@pytest.mark.parametrize(
+    "policy", ["h2o", "scissorhands", "streaming_llm", "h2o:kv_bits=4,group_size=8,residual=4", "kvzip:chunk=40"]
+)
 def test_saved_context_answers_exactly_like_the_original(tiny_lm, tmp_path, policy) -> None:
     model, tokenizer = tiny_lm
     qa = kvsieve.compress(model, tokenizer, CONTEXT, policy=policy, budget=0.3, decode_budget=0.4)
