@@ -106,7 +106,13 @@ class SieveCache(Cache):
         sliding = [t == "sliding_attention" for t in types]
         cache = cls(plan, sliding, stream=stream, codec=quant or PLAIN, kernels=kernels)
         if rolling:
+            if policy.needs_queries:
+                raise ValueError(f"{policy.name} reads the queries at their true positions: no position rolling")
             cache.enable_rolling(Rotary.from_config(config))
+        if policy.needs_queries:  # (the policy runs on the full-attention layers)
+            rope = Rotary.from_config(config, "full_attention" if "sliding_attention" in types else None)
+            for layer in cache.layers:
+                layer.rope = rope
         return cache
 
     @property

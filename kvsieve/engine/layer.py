@@ -67,7 +67,8 @@ class SieveLayer(CacheLayerMixin):
         self.eviction_rounds = 0  # never reset, so never reused (positional layers share decisions by round)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.streaming = False
-        self.rotary: Rotary | None = None
+        self.rotary: Rotary | None = None  # position rolling (SieveCache.enable_rolling)
+        self.rope: Rotary | None = None  # the model's RoPE, for a policy that reads queries (Policy.needs_queries)
         self.prompt_tokens: int | None = None  # the first step's prompt length, if given (set_prompt_length)
         self.record_past = False  # transformers' name: steps are recorded until crop() commits or rolls them back
         self.recording: Recording | None = None

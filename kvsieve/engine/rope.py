@@ -29,24 +29,31 @@ class Rotary:
         self.inv_freq = inv_freq.float()
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> Rotary:
-        """The frequencies of a model with one RoPE for all layers (raises for anything else)."""
+    def from_config(cls, config: PretrainedConfig, layer_type: str | None = None) -> Rotary:
+        """The frequencies of a model with one RoPE for all layers, or (``layer_type``) of its layers of that type
+        where each type has its own (Gemma 3); raises for anything else."""
         params = getattr(config, "rope_parameters", None) or {}
+        if layer_type is not None and isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
         rope_type = params.get("rope_type", "default")
         if not isinstance(rope_type, str) or "rope_theta" not in params:
             raise UnsupportedModelError(
-                "position rolling needs a model with one rotary embedding for all layers "
-                f"(this config's rope_parameters: {params})"
+                "kvsieve re-rotates keys and queries of a model with one rotary embedding for all layers (position "
+                f"rolling) or for each layer type (expected_attention); this config's rope_parameters: {params}"
             )
         if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError("position rolling does not support partial rotary embeddings")
+            raise UnsupportedModelError(
+                "kvsieve does not re-rotate partial rotary embeddings (position rolling, expected_attention)"
+            )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if rope_type == "default":
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != "dynamic":
-            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+            inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
         else:
-            raise UnsupportedModelError(f"position rolling does not support rope_type {rope_type!r}")
+            raise UnsupportedModelError(
+                f"kvsieve does not re-rotate rope_type {rope_type!r} (position rolling, expected_attention)"
+            )
         return cls(inv_freq)
 
     def rotate(self, x: torch.Tensor, angle_pos: torch.Tensor) -> torch.Tensor:

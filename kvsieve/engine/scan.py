@@ -63,6 +63,7 @@ def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
         and not args.explicit
         and layer.limit is not None
         and not layer.policy.narrows
+        and not layer.policy.needs_queries
     )
 
 

@@ -44,6 +44,7 @@ from kvsieve.engine.attention import SieveMask, claim_mask, hand_over
 from kvsieve.engine.cache import SieveCache
 from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.slot_attention import AttentionArgs, Visibility, fused_attention, observed_attention
+from kvsieve.engine.step import observe_queries
 from kvsieve.policies.base import Observation, Policy, Slots
 
 __all__ = ["LayerInputs", "RecordedPass", "SharedPrompt", "StackedRows"]
@@ -167,8 +168,12 @@ class _SharedLayer(_Together):
         watchers = []  # (layer, its slots, its end, its first observed row)
         alike: dict[Hashable, Slots] = {}  # (what a policy observes, over which rows) → the slots of its observer
         copies = []  # (layer, its slots, its observer's slots)
+        positions = torch.arange(q, device=keys.device)
         for sub, end in zip(self.subs, self.ends, strict=True):
             view = sub.store_prompt()
+            if sub.policy.needs_queries and sub.limit is not None:
+                end = q if end is None else end
+                observe_queries(sub, view, query[:, :, :end], positions[:end].expand(bsz, end), args.scaling)
             if not sub.observes:  # (it evicts now: its prompt-sized buffer is not held through the attention)
                 sub.close_prompt(view)
                 continue
@@ -183,7 +188,6 @@ class _SharedLayer(_Together):
             if key is not None:
                 alike[key] = view
             watchers.append((sub, view, end, first))
-        positions = torch.arange(q, device=keys.device)
         key_pos, query_pos = positions.expand(bsz, heads, q), positions.expand(bsz, q)
         seen = Visibility(causal_tail=True)
         head = 0 if args.explicit else min((first for *_, first in watchers), default=q)

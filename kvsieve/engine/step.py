@@ -131,6 +131,8 @@ def _attend(
     probabilities (with ``args.weights``) and the victim per (row, head) when a compiled decode step chose it."""
     store, policy = layer.store, layer.policy
     q = chunk.keys.shape[2]
+    if policy.needs_queries and (layer.limit is not None or layer.probing):
+        observe_queries(layer, slots, chunk.query, query_pos, args.scaling)
     keys, values, query, exact = slots.keys, slots.values, chunk.query, None
     if q > 1 and store.step is not None and store.step.exact is not None:
         # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
@@ -178,6 +180,17 @@ def _attend(
         out, weights = observed_attention(*late, observe, narrow, exact, step_rows=q)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), weights, None
+
+
+def observe_queries(
+    layer: SieveLayer, slots: Slots, query: torch.Tensor, query_pos: torch.Tensor, scaling: float
+) -> None:
+    """Hand the policy the step's queries ``[B, Hq, q, D]`` as :meth:`~kvsieve.policies.base.Policy.observe_queries`
+    takes them: per KV head's group, scaled."""
+    bsz, n_q, q, dim = query.shape
+    heads = slots.pos.shape[1]
+    grouped = (query * scaling).view(bsz, heads, n_q // heads, q, dim)
+    layer.policy.observe_queries(slots, grouped, query_pos, layer.rope)
 
 
 def _decide_by_rule(

@@ -34,6 +34,7 @@ MODULES = (
     "topk_oracle",
     "kvzip",
     "keydiff",
+    "expected_attention",
 )
 for _module in MODULES:
     importlib.import_module(f"{__name__}.{_module}")  # (each module registers its policy)

@@ -33,6 +33,10 @@ protocol's scan and a decode step's victim then run without calling them, with t
 family states only its rule; the family's class (:mod:`kvsieve.policies.families`) is the rule's one torch
 statement, which the compiled loops are tested against.
 
+A policy that scores tokens from the queries themselves, without attention weights (``expected_attention``),
+overrides ``observe_queries(slots, queries, query_pos, rope)``: the engine hands it each step's queries (scaled, after
+RoPE) and the model's RoPE frequencies, and attends with the fused kernel.
+
 A policy that scores a context by passes of its own before compressing it (``kvzip``: the context reconstructed)
 states them with ``probes``: :func:`kvsieve.compress_context` holds the context, feeds each probe through the model
 (:meth:`~kvsieve.engine.cache.SieveCache.probing`: attended, observed, then removed) and compresses it.
@@ -48,11 +52,14 @@ import types
 import typing
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
 from kvsieve.engine.rules import PROTECTED, Pattern, ScanRule
+
+if TYPE_CHECKING:
+    from kvsieve.engine.rope import Rotary
 
 SCORE_STATE: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"score": ((), torch.float32)}
 """The per-slot state of policies that accumulate one fp32 score per token."""
@@ -211,6 +218,9 @@ class Policy:
     """Inferred: whether the policy overrides :meth:`n_keep` (its target is not simply ``min(n, budget)``). The rows
     of a left-padded batch hold different numbers of tokens, so the engine then applies ``n_keep`` to each row's
     own count, as if the row were alone."""
+    needs_queries: ClassVar[bool] = False
+    """Inferred: whether the policy overrides :meth:`observe_queries` (the engine then hands it each step's queries
+    and builds the model's RoPE frequencies, refusing a model whose RoPE it cannot state)."""
     probed: ClassVar[bool] = False
     """Inferred: whether the policy overrides :meth:`probes` (it compresses a context only after passes of its
     own: a cache under it is filled by :func:`kvsieve.compress_context`)."""
@@ -221,6 +231,7 @@ class Policy:
         cls.needs_attention = cls.narrows or cls.observe is not Policy.observe
         cls.counts_rows = cls.n_keep is not Policy.n_keep
         cls.probed = cls.probes is not Policy.probes
+        cls.needs_queries = cls.observe_queries is not Policy.observe_queries
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         self.params = self.Params() if params is None else params
@@ -290,6 +301,12 @@ class Policy:
 
     def observe(self, slots: Slots, obs: Observation) -> None:
         """Accumulate statistics from one block of query rows (override it to get probabilities at all)."""
+
+    def observe_queries(self, slots: Slots, queries: torch.Tensor, query_pos: torch.Tensor, rope: Rotary) -> None:
+        """Score from a step's queries (override it to get them): ``queries`` ``[B, H, G, q, D]`` per KV head's
+        group, multiplied by the model's attention scaling, after RoPE at their positions ``query_pos`` ``[B, q]`` (-1:
+        padding); ``rope`` rotates by any position with the model's frequencies. Called at every step that may evict
+        (and by probes), before the step's eviction, its tokens among ``slots``."""
 
     def observes_as(self) -> Hashable | None:
         """What :meth:`observe` computes, as a value that is equal for two policies whose observations of the same rows

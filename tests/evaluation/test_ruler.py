@@ -322,10 +322,10 @@ def test_grid_is_full_once_then_protocol_policy_compression() -> None:
 
 
 def test_default_policies_are_all_but_the_oracle() -> None:
-    """Every registered policy but the reference that saves no memory (topk_oracle); 125 settings at the default
+    """Every registered policy but the reference that saves no memory (topk_oracle); 133 settings at the default
     compressions under both protocols (kvzip's question-agnostic only)."""
     assert default_policies() == [name for name in REGISTRY if name != "topk_oracle"]
-    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 125
+    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 133
 
 
 def test_a_policy_with_a_budget_but_no_bound_gets_its_own_question_aware_settings() -> None:
@@ -628,7 +628,7 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     model, tok = tiny64
     head, tail = prompt_ids
     policies = ["full", "h2o", "tova", "snapkv", "scissorhands", "ahakv", "streaming_llm", "knorm", "topk_oracle"]
-    policies += ["kvzip", "kvzip:chunk=64", "keydiff"]  # (kvzip probed once per spec: its other compression adopts)
+    policies += ["kvzip", "kvzip:chunk=64", "keydiff", "expected_attention"]  # (kvzip: probed once per spec)
     shared = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
     assert Setting("aware", "topk_oracle", 0.9) in shared
     got = predict_together(model, tok, head, tail, shared, 6)

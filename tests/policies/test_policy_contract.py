@@ -54,6 +54,7 @@ def test_what_the_engine_infers() -> None:
         "kvzip",
     }  # fmt: skip
     assert {name for name, cls in REGISTRY.items() if cls.probed} == {"kvzip"}
+    assert {name for name, cls in REGISTRY.items() if cls.needs_queries} == {"expected_attention"}
 
 
 def test_registering_a_second_policy_under_a_name_is_an_error() -> None:
