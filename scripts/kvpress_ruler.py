@@ -70,7 +70,18 @@ token budget (the ``kept`` column shows both measured).
   (kvsieve's question-aware protocol), which this question-agnostic protocol does not do on either side. kvsieve's
   ``normalize=true`` divides by the same count (the token's age + 1) and ``recent=0`` drops the window: that row is
   ObservedAttention's rule.
-- ``expected_attention`` → ``ExpectedAttentionPress``: a reference row, kvpress only (kvsieve has no counterpart).
+- ``kvzip`` → ``KVzipPress``: both hold the context, feed it again after a request to repeat it, chunk by chunk, and
+  score each cached pair by the largest attention any reconstruction query of its KV head's group gives it. kvsieve
+  keeps the same count per KV head and layer (the authors' uniform head budgets) and normalises each probe's
+  attention over the whole held context; kvpress's default selects over all heads and layers at once and keeps the
+  others as masks (see its own docstring for its normalisation). The probe requests are the authors' on both sides.
+- ``keydiff:recent=0`` → ``KeyDiffPress``: both keep the keys least like the mean unit key, nothing protected
+  (kvsieve's default protects a recent window); kvsieve compares the similarities at float16 resolution, equal ones
+  keeping the newer token.
+- ``expected_attention`` → ``ExpectedAttentionPress``: the same rule (the context's queries before RoPE, their mean
+  and covariance without the 4 sink positions, the rotation averaged over the next 512 positions, the expected
+  attention averaged over the GQA group and weighted by the value norms, the sinks kept). kvpress recomputes the
+  queries from the layer's input; kvsieve takes the queries the layer attends with and un-rotates them.
 - ``full`` → no press (not run by default): the uncompressed control; both should answer alike.
 
 Other differences between the sides, for every row: kvsieve runs its own attention implementation under transformers
@@ -132,16 +143,19 @@ METHODS: dict[str, str] = {
     "knorm:recent=0": "knorm",
     "h2o": "observed_attention",
     "h2o:recent=0,normalize=true": "observed_attention",
+    "kvzip": "kvzip",
+    "keydiff:recent=0": "keydiff",
+    "expected_attention": "expected_attention",
     FULL: DYNAMIC,
 }
 """kvsieve's policy spec → kvpress's press (see the module docstring)."""
-REFERENCE = ("expected_attention",)
-"""Presses run on the kvpress side only (their row is named by the press)."""
-DEFAULT_METHODS = [m for m in [*METHODS, *REFERENCE] if m != FULL]
+DEFAULT_METHODS = [m for m in METHODS if m != FULL]
 PRESS_NAMES = {
     **_PRESS_NAMES,
     "observed_attention": "ObservedAttentionPress",
     "expected_attention": "ExpectedAttentionPress",
+    "kvzip": "KVzipPress",
+    "keydiff": "KeyDiffPress",
 }
 """Press → kvpress's class name."""
 EAGER = ("observed_attention",)
@@ -161,12 +175,7 @@ DIFFERING_SHOWN = 40
 
 def press_of(method: str) -> str:
     """The kvpress press of a row."""
-    return method if method in REFERENCE else METHODS[method]
-
-
-def kvsieve_spec(method: str) -> str | None:
-    """The kvsieve policy spec of a row (None: a kvpress-only reference row)."""
-    return None if method in REFERENCE else method
+    return METHODS[method]
 
 
 def kvpress_kept(tokens: int, compression: float) -> int:
@@ -214,7 +223,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="answer nothing: the report of the answers already in --out for these settings (the workers still "
         "start, to say their versions)",
     )
-    add_shared_args(parser, [*METHODS, *REFERENCE], "kvpress_ruler")
+    add_shared_args(parser, list(METHODS), "kvpress_ruler")
     parser.set_defaults(methods=DEFAULT_METHODS)
     parser.add_argument(  # (replaces the shared --model: a built-in name too, default the samples' model)
         "--model", help="built-in model name or local directory (default: the model the samples were made with)"
@@ -422,8 +431,7 @@ def jobs(settings: Settings, item: Item, compression: float) -> dict[str, list[s
     """Each side's methods for one sample and compression: kvsieve's specs, kvpress's presses (each once; ``full``
     only with the first compression)."""
     methods = [m for m in settings.methods if m != FULL or compression == settings.compressions[0]]
-    specs = [s for s in map(kvsieve_spec, methods) if s is not None]
-    return {"kvsieve": specs, "kvpress": list(dict.fromkeys(press_of(m) for m in methods))}
+    return {"kvsieve": methods, "kvpress": list(dict.fromkeys(press_of(m) for m in methods))}
 
 
 def run_queues(
@@ -637,27 +645,26 @@ def side_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 def _paired(
     found: dict[tuple, dict[int, dict[str, Any]]], groups: Sequence[tuple[str, int]], c: float, method: str
 ) -> dict[str, Any] | None:
-    """One row over ``groups`` (pooled): the samples both sides answered for ``method`` at ``c`` (a reference row:
-    those kvpress answered); None where there are none."""
+    """One row over ``groups`` (pooled): the samples both sides answered for ``method`` at ``c``; None where there are
+    none."""
     at = 0.0 if method in UNCOMPRESSED else c
-    spec, press = kvsieve_spec(method), press_of(method)
+    spec, press = method, press_of(method)
     pairs, tasks = [], 0
     for task, length in groups:
-        s = found.get((task, length, at, "kvsieve", spec), {}) if spec is not None else {}
+        s = found.get((task, length, at, "kvsieve", spec), {})
         p = found.get((task, length, at, "kvpress", press), {})
-        indexes = sorted(p if spec is None else s.keys() & p.keys())
-        pairs += [(s.get(i), p[i]) for i in indexes]
+        indexes = sorted(s.keys() & p.keys())
+        pairs += [(s[i], p[i]) for i in indexes]
         tasks += bool(indexes)
     if not pairs:
         return None
     row: dict[str, Any] = {"compression": at, "method": method, "kvsieve_spec": spec, "press": PRESS_NAMES[press]}
     row |= {"samples": len(pairs), "tasks": tasks}
-    row["kvsieve"] = side_summary([a for a, _ in pairs if a is not None])
+    row["kvsieve"] = side_summary([a for a, _ in pairs])
     row["kvpress"] = side_summary([b for _, b in pairs])
-    paired = spec is not None
-    row["same_answer"] = statistics.fmean(a["answer"] == b["answer"] for a, b in pairs) if paired else None
-    row["same_kept"] = all(a["kept"] == b["kept"] for a, b in pairs) if paired else None
-    row["same_ids"] = all(r["same_ids"] for pair in pairs for r in pair if r is not None)
+    row["same_answer"] = statistics.fmean(a["answer"] == b["answer"] for a, b in pairs)
+    row["same_kept"] = all(a["kept"] == b["kept"] for a, b in pairs)
+    row["same_ids"] = all(r["same_ids"] for pair in pairs for r in pair)
     row["pipeline_ids"] = all(b["pipeline_ids"] for _, b in pairs)
     return row
 
@@ -684,8 +691,7 @@ def summarize(
     compressions: Sequence[float],
     methods: Sequence[str],
 ) -> list[dict[str, Any]]:
-    """One row per task, length, compression and method, over the samples both sides answered (a reference row: those
-    kvpress answered)."""
+    """One row per task, length, compression and method, over the samples both sides answered."""
     found = _found(records)
     rows = []
     for task, length in groups:

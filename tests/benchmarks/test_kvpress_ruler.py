@@ -33,19 +33,18 @@ def test_rows_map_kvsieve_specs_to_presses():
         "knorm:recent=0": "knorm",
         "h2o": "observed_attention",
         "h2o:recent=0,normalize=true": "observed_attention",
+        "kvzip": "kvzip",
+        "keydiff:recent=0": "keydiff",
+        "expected_attention": "expected_attention",
         "full": "dynamic",
     }
     assert all(qa_driver.METHODS[m] == ruler.METHODS[m] for m in qa_driver.METHODS if m in ruler.METHODS)
-    assert [*list(ruler.METHODS)[:-1], "expected_attention"] == ruler.DEFAULT_METHODS  # full only when asked
-    assert (
-        ruler.press_of("expected_attention") == "expected_attention"
-        and ruler.kvsieve_spec("expected_attention") is None
-    )
-    assert ruler.press_of("h2o") == "observed_attention" and ruler.kvsieve_spec("h2o") == "h2o"
-    names = {ruler.PRESS_NAMES[ruler.press_of(m)] for m in [*ruler.METHODS, *ruler.REFERENCE]}
+    assert list(ruler.METHODS)[:-1] == ruler.DEFAULT_METHODS  # full only when asked
+    assert ruler.press_of("h2o") == "observed_attention"
+    names = {ruler.PRESS_NAMES[ruler.press_of(m)] for m in ruler.METHODS}
     assert names == {
-        "StreamingLLMPress", "SnapKVPress", "TOVAPress", "KnormPress", "ObservedAttentionPress",
-        "ExpectedAttentionPress", "DynamicCache",
+        "StreamingLLMPress", "SnapKVPress", "TOVAPress", "KnormPress", "ObservedAttentionPress", "KVzipPress",
+        "KeyDiffPress", "ExpectedAttentionPress", "DynamicCache",
     }  # fmt: skip
     assert ruler.EAGER == ("observed_attention",)
 
@@ -207,7 +206,9 @@ def test_both_sides_get_the_same_ids_budget_and_limit(real_ruler_dir, tokenizer)
     item = ruler.plan(settings, tokenizer)[0]
     jobs = ruler.jobs(settings, item, 0.5)
     assert jobs["kvsieve"] == list(ruler.METHODS)[:-1]
-    assert jobs["kvpress"] == ["streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "expected_attention"]
+    assert jobs["kvpress"] == [
+        "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "kvzip", "keydiff", "expected_attention"
+    ]  # fmt: skip
     sent = {side: ruler.request(item, 0.5, jobs[side][1]) for side in ("kvsieve", "kvpress")}
     assert sent["kvsieve"]["method"] == "snapkv:window=64,kernel=5" and sent["kvpress"]["method"] == "snapkv"
     assert sent["kvsieve"] | {"method": None} == sent["kvpress"] | {"method": None}
@@ -297,6 +298,8 @@ RECORDS = [
     _rec(1, "kvpress", "tova", "42.", 0.0, 6.0, kept=51),
     _rec(0, "kvpress", "expected_attention", "1234567.", 1.0, 3.0),
     _rec(1, "kvpress", "expected_attention", "9.", 0.0, 3.0),
+    _rec(0, "kvsieve", "expected_attention", "1234567.", 1.0, 2.0),
+    _rec(1, "kvsieve", "expected_attention", "9.", 0.0, 2.0),
     _rec(0, "kvsieve", "full", "1234567.", 1.0, 5.0, kept=100, c=0.0),
     _rec(0, "kvpress", "dynamic", "1234567.", 1.0, 5.0, kept=100, c=0.0),
     _rec(1, "kvsieve", "full", "7654321.", 1.0, 5.0, kept=100, c=0.0),  # (kvpress has not answered #1)
@@ -313,7 +316,8 @@ def test_summary_pairs_the_samples_both_sides_answered():
     }  # fmt: skip
     assert (tova["kvpress"]["score"], tova["kvpress"]["stderr"]) == (50.0, 50.0)
     assert tova["same_ids"] and tova["pipeline_ids"]
-    assert expected["kvsieve"] is None and expected["kvsieve_spec"] is None and expected["same_answer"] is None
+    assert (expected["kvsieve"]["score"], expected["kvsieve_spec"]) == (50.0, "expected_attention")
+    assert expected["same_answer"] == 1.0
     assert (expected["samples"], expected["kvpress"]["score"], expected["press"]) == (2, 50.0, "ExpectedAttentionPress")
 
 
@@ -321,6 +325,7 @@ OTHER_TASK = [
     _rec(0, "kvsieve", "tova", "blue", 0.0, 8.0, task="qa"),
     _rec(0, "kvpress", "tova", "blue", 0.0, 2.0, task="qa"),
     _rec(0, "kvpress", "expected_attention", "red", 1.0, 1.0, task="qa") | {"cpu": CPU | {"name": "AMD EPYC"}},
+    _rec(0, "kvsieve", "expected_attention", "red", 1.0, 1.0, task="qa"),
 ]
 GROUPS = [("niah_single_1", 4096), ("qa", 4096)]
 
@@ -331,11 +336,11 @@ def test_overview_pools_the_samples_of_every_task():
     assert (tova["tasks"], tova["samples"], tova["same_answer"], tova["compression"]) == (2, 3, 2 / 3, 0.5)
     assert tova["kvsieve"]["score"] == pytest.approx(200 / 3) and tova["kvpress"]["score"] == pytest.approx(100 / 3)
     assert (tova["kvsieve"]["seconds"], tova["kvpress"]["seconds"]) == (pytest.approx(14 / 3), 4.0)
-    assert (expected["tasks"], expected["samples"], expected["kvsieve"]) == (2, 3, None)
+    assert (expected["tasks"], expected["samples"], expected["same_answer"]) == (2, 3, 1.0)
     per_task = ruler.summarize([*RECORDS, *OTHER_TASK], GROUPS, [0.5], ["tova"])
     assert [(r["task"], r["tasks"], r["samples"]) for r in per_task] == [("niah_single_1", 1, 2), ("qa", 1, 1)]
     assert ruler.hosts([*RECORDS, *OTHER_TASK]) == {
-        "Intel(R) Xeon(R) Processor (avx2, avx512f)": 11, "AMD EPYC (avx2, avx512f)": 1,
+        "Intel(R) Xeon(R) Processor (avx2, avx512f)": 14, "AMD EPYC (avx2, avx512f)": 1,
     }  # fmt: skip
 
 
@@ -353,7 +358,7 @@ def test_report_over_several_tasks_and_its_rendering(tmp_path):
     result = _result(tmp_path, [*RECORDS, *OTHER_TASK], GROUPS, ["tova", "expected_attention"])
     md = ruler.markdown(result).splitlines()
     assert md[3] == (
-        "Answered on Intel(R) Xeon(R) Processor (avx2, avx512f): 11 answers; AMD EPYC (avx2, avx512f): 1 answers."
+        "Answered on Intel(R) Xeon(R) Processor (avx2, avx512f): 14 answers; AMD EPYC (avx2, avx512f): 1 answers."
     )
     first = md.index("## All 2 tasks and lengths (their samples pooled)")
     assert md[first + 4].startswith("| `tova` | TOVAPress | 0.5 | 66.7 ± 33.3 | 33.3 ± 33.3 | 67% of 3 | 4.7 / 4.0 |")
@@ -370,7 +375,10 @@ def test_report_over_several_tasks_and_its_rendering(tmp_path):
     assert "kvpress side: kvpress 0.5.5, transformers 5.2.0. Answered on Intel(R) Xeon(R) Processor" in text[0]
     assert text[2].startswith("| kvsieve | kvpress | c | tasks / samples | score kvsieve % |")
     assert text[4] == "| `tova` | TOVAPress | 0.5 | 2 / 3 | 66.7 ± 33.3 | 33.3 ± 33.3 | 2 of 3 | 4.7 / 4.0 | 47 / 40 |"
-    assert text[5] == "| — | ExpectedAttentionPress | 0.5 | 2 / 3 | — | 66.7 ± 33.3 | — | — / 2.3 | — / 23 |"
+    assert text[5] == (
+        "| `expected_attention` | ExpectedAttentionPress | 0.5 | 2 / 3 | 66.7 ± 33.3 | 66.7 ± 33.3 | 3 of 3 "
+        "| 1.7 / 2.3 | 17 / 23 |"
+    )
     assert text[-1].startswith("*`scripts/kvpress_ruler.py --samples 1` · qwen2.5-coder-0.5b · ")
 
 
@@ -393,9 +401,9 @@ def test_report_from_fixed_records(tmp_path):
     tova = "| `tova` | TOVAPress | 0.5 | 100.0 ± 0.0 | 50.0 ± 50.0 | 50% of 2 | 3.0 / 5.0 | 2,004 / 2,006 | 30 / 50 |"
     assert f"{tova} 50 / 50.5 | same |" in md
     assert (
-        "| — | ExpectedAttentionPress | 0.5 | — | 50.0 ± 50.0 | — | — / 3.0 | — / 2,003 | — / 30 | — / 50 | same |"
-        in md
-    )
+        "| `expected_attention` | ExpectedAttentionPress | 0.5 | 50.0 ± 50.0 | 50.0 ± 50.0 | 100% of 2 | 2.0 / 3.0 "
+        "| 2,002 / 2,003 | 20 / 30 | 50 / 50 | same |"
+    ) in md
     assert md[-1] == "- niah_single_1_4096 #1 c=0.5 `tova`: kvsieve “7654321.” · kvpress “42.”"
     rows[0]["same_ids"], rows[0]["pipeline_ids"] = False, False
     assert ruler.table_rows(rows)[0][-1] == "DIFFER (pipeline's own ids differ)"
