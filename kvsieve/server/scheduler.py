@@ -140,6 +140,12 @@ class Scheduler:
             raise RequestError(str(err), "kv_params" if spec.params else "kv_policy") from None
         if schedule == "profiled":
             raise RequestError("the profiled layer schedule runs the model: not available in the server", "kv_policy")
+        if get_policy(spec.policy).probed:
+            raise RequestError(
+                f"{get_policy(spec.policy).name} compresses a context by passes of its own before any question: not "
+                "available for a request's prompt (compress the context with kvsieve.compress)",
+                "kv_policy",
+            )
         try:
             cache = make_cache(self.model, spec.policy, spec.budget, **spec.params)
             cache.resolve(len(prompt))

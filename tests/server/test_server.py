@@ -333,6 +333,7 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(serve) -> N
     chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     cases = [
         ({**good, "kv_policy": "nope"}, 400, "kv_policy"),
+        ({**good, "kv_policy": "kvzip"}, 400, "kv_policy"),  # (it compresses a context by passes of its own)
         ({**good, "kv_budget": 0}, 400, "kv_budget"),
         ({**good, "kv_budget": 1.5}, 400, "kv_budget"),
         ({**good, "kv_budget": "lots"}, 400, "kv_budget"),
