@@ -16,8 +16,9 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from kvsieve.engine.attention import UnsupportedModelError
-from kvsieve.engine.budget import Budget
+from kvsieve.engine.budget import Budget, shared_budgets
 from kvsieve.engine.compiled import use_kernels
+from kvsieve.engine.eviction import keep_scores
 from kvsieve.engine.layer import SieveLayer
 from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo
 from kvsieve.engine.quant import PLAIN, Codec, KVQuant
@@ -214,9 +215,18 @@ class SieveCache(Cache):
 
     def compress(self) -> None:
         """End :meth:`hold`: every layer evicts down to its prompt budget by its policy's priorities (what the held
-        passes and probes left), then decodes under its decode budget as after any prompt."""
+        passes and probes left), then decodes under its decode budget as after any prompt. A policy whose
+        priorities compare across layers (``Policy.shares_budget``) first shares the policy layers' budget by one
+        selection over all of them (:func:`~kvsieve.engine.budget.shared_budgets`): each layer keeps its share."""
         if not self.holding:
             raise ValueError("compress() ends a hold: call cache.hold() before the passes to compress")
+        shared = [layer for layer in self.layers if layer.store is not None and layer.policy.shares_budget()]
+        if shared:
+            with torch.inference_mode():
+                priorities = [keep_scores(layer, layer.store.view(layer.newest)) for layer in shared]
+            total = sum(layer.policy.budget for layer in shared)
+            for layer, tokens in zip(shared, shared_budgets(priorities, total), strict=True):
+                layer.policy = self.plan.set_budget(layer.layer_idx, tokens)
         for layer in self.layers:
             layer.compress_held()
         self.memo.clear()

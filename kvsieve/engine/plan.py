@@ -119,6 +119,16 @@ class PolicyPlan:
             )
         return decode - tokens
 
+    def set_budget(self, layer_idx: int, tokens: int) -> Policy:
+        """Give policy layer ``layer_idx`` a budget of its own, ``tokens`` (a selection over all layers chose it:
+        :meth:`~kvsieve.engine.cache.SieveCache.compress`); its policy, made anew (validated), is returned."""
+        cls, params, fixed = self.layer_policies[layer_idx]
+        if fixed is not None or self._policies is None:
+            raise ValueError(f"layer {layer_idx} has no budget to set (a fixed window, or not resolved yet)")
+        if self._policies[layer_idx].budget != tokens:
+            self._policies[layer_idx] = cls(tokens, params)
+        return self._policies[layer_idx]
+
     def limit(self, layer_idx: int, decoding: bool) -> int | None:
         """The most tokens layer ``layer_idx`` holds after a step of the prompt (``decoding`` False) or of decoding
         (None: no bound). Its policy must be resolved."""

@@ -39,6 +39,7 @@ def export_layer(layer: SieveLayer) -> tuple[dict[str, torch.Tensor], dict[str, 
         "may_hold_padding": store.may_hold_padding,
         "decoding": layer.decoding,
         "dtype": str(store.dtype).removeprefix("torch."),
+        "budget": layer.policy.budget,
     }
     return {name: t.contiguous() for name, t in tensors.items()}, counters
 
@@ -50,6 +51,8 @@ def restore_layer(
     tokens)."""
     layer.reset()
     layer.policy = layer.plan.resolve(prompt_len)[layer.layer_idx]
+    if counters.get("budget") not in (None, layer.policy.budget):  # (its share of a budget shared by the layers)
+        layer.policy = layer.plan.set_budget(layer.layer_idx, int(counters["budget"]))
     codec = layer.codec
     residual = ("residual",) if codec.residual else ()
     needed = {*codec.names(), *residual, "positions", "newest"} | {f"state.{n}" for n in layer.policy.state_spec()}

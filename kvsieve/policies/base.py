@@ -347,6 +347,12 @@ class Policy:
         is written after it. Override it to be scored so (default: no probe; a cache compresses as it is fed)."""
         raise NotImplementedError(f"{self.name} scores a context as it is fed: it has no probes")
 
+    def shares_budget(self) -> bool:
+        """Whether the priorities of this policy's layers compare across layers, so that a held context is compressed
+        by one selection over all of them (:meth:`~kvsieve.engine.cache.SieveCache.compress`: each layer keeps its
+        share of the model's budget). Default: False (each layer keeps its own budget)."""
+        return False
+
     def scan_rule(self) -> ScanRule | None:
         """What :meth:`observe`, :meth:`n_keep` and :meth:`keep_scores` compute, as a rule the engine's compiled loops
         run (:mod:`kvsieve.engine.compiled`: the stream protocol's scan, a decode step's victim), or None (the

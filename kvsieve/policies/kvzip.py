@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -23,6 +24,9 @@ class KVzipParams:
     overlap: int = 8
     """Tokens of the previous chunk quoted in a later probe's request, where its reconstruction starts (the
     authors' 8)."""
+    layers: Literal["shared", "each"] = "shared"
+    """``shared``: one selection over all layers shares the model's budget among them (the paper's selection is over
+    all layers and heads); ``each``: every layer keeps the budget."""
 
 
 @register
@@ -41,8 +45,13 @@ class KVzip(Policy):
 
     Choices, each where the paper or the authors' code leave kvsieve a decision:
 
-    - **Selection per (row, KV head) and layer, the same count for every head** (the authors' "uniform" head budgets).
-      The paper's default selects over all heads and layers at once (a global threshold, non-uniform counts).
+    - **One selection over all layers, the same count for every head of a layer** (``layers="shared"``): the
+      ``L · budget`` highest scores of the model (per row and KV head) are taken, and each layer keeps its share of
+      them, the average over its heads, each head its own top that many — the budget moves between layers in real
+      memory. The paper's default selects over heads too (a global threshold: heads of one layer keep different
+      counts), which kvsieve's slots, the same count for every head of a layer, do not hold yet. In a batch the
+      shares are chosen over all its rows together (its rows then keep what they would not alone). ``layers="each"``:
+      every layer keeps the budget (the authors' "uniform" head budgets).
     - **The probabilities are the model's own**: a softmax over every held token and the probe's own, as the layer's
       forward pass attends. The authors' code normalises the scores of a chunk over the sink tokens, that chunk and
       the probe only (each chunk then scores against itself).
@@ -81,6 +90,9 @@ class KVzip(Policy):
 
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return slots.state["score"]
+
+    def shares_budget(self) -> bool:
+        return self.params.layers == "shared"
 
     def probes(self, context: Sequence[int], asking: Asking) -> list[list[int]]:
         n, overlap = self.params.chunk, self.params.overlap

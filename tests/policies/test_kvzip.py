@@ -46,7 +46,7 @@ def test_kvzip_keeps_the_top_reconstruction_scores(llama_gqa, make_ids, chunk) -
     probes = KVzip(budget, KVzipParams(chunk=chunk, overlap=3)).probes(ids[0].tolist(), ASKING)
     assert len(probes) == -(-40 // chunk)
     reference = _reference_scores(llama_gqa, ids, probes)
-    cache = kvsieve.make_cache(llama_gqa, f"kvzip:chunk={chunk},overlap=3", budget, decode_budget=None)
+    cache = kvsieve.make_cache(llama_gqa, f"kvzip:chunk={chunk},overlap=3,layers=each", budget, decode_budget=None)
     kvsieve.compress_context(llama_gqa, cache, ids, ASKING)
     assert cache.get_seq_length() == 40 and not cache.holding
     for i, expected in enumerate(reference):
@@ -57,6 +57,31 @@ def test_kvzip_keeps_the_top_reconstruction_scores(llama_gqa, make_ids, chunk) -
         assert torch.equal(pos.sort(dim=-1).values, best)
         held = layer.held_state()["score"]
         torch.testing.assert_close(held, expected.gather(-1, pos), rtol=1e-4, atol=1e-6)
+
+
+def test_kvzip_shares_the_budget_among_layers_by_one_selection(llama_gqa, make_ids) -> None:
+    """By default one selection over all layers: each layer keeps its share of the model's budget (the average of
+    its heads' counts among the model's top scores), each head its top that many; the bytes held are those of the
+    budgets, whose sum is the model's."""
+    ids, budget = make_ids(2, 40), 10
+    probes = [KVzip(budget).probes(row.tolist(), ASKING) for row in ids]
+    reference = [torch.cat(scores) for scores in zip(*(_reference_scores(llama_gqa, ids[b : b + 1], probes[b])
+                                                       for b in range(2)), strict=True)]  # fmt: skip
+    cache = kvsieve.make_cache(llama_gqa, "kvzip", budget, decode_budget=None)
+    kvsieve.compress_context(llama_gqa, cache, ids, ASKING)
+    budgets = cache.budgets
+    assert sum(budgets) == 3 * budget and len(set(budgets)) > 1
+    flat = torch.cat([scores.flatten() for scores in reference])
+    threshold = flat.topk(3 * budget * 2 * 2).values[-1]
+    for layer, expected, tokens in zip(cache.layers, reference, budgets, strict=True):
+        share = float((expected >= threshold).sum()) / 4  # (its count among the model's top, per row and head)
+        assert abs(tokens - share) <= 1
+        pos = layer.held_positions()
+        assert pos.shape[-1] == tokens and layer.capacity == tokens + 1
+        assert torch.equal(pos.sort(dim=-1).values, expected.topk(tokens, dim=-1).indices.sort(dim=-1).values)
+    uniform = kvsieve.make_cache(llama_gqa, "kvzip:layers=each", budget, decode_budget=None)
+    kvsieve.compress_context(llama_gqa, uniform, ids, ASKING)
+    assert cache.kv_nbytes() == uniform.kv_nbytes()  # (the same slots in all: moved between layers)
 
 
 def test_kvzip_probes_quote_the_chunk_before() -> None:
@@ -74,14 +99,15 @@ def test_kvzip_probes_quote_the_chunk_before() -> None:
 
 
 def test_kvzip_batch_rows_are_scored_as_alone(llama_gqa, make_ids) -> None:
+    # (each layer at the budget: a shared budget's shares are chosen over all the rows of a batch together)
     long, short = make_ids(1, 30, seed=3), make_ids(1, 22, seed=4)
     ids = torch.cat([long, torch.cat([torch.zeros(1, 8, dtype=long.dtype), short], dim=1)])
     mask = torch.ones_like(ids)
     mask[1, :8] = 0
-    batch = kvsieve.make_cache(llama_gqa, "kvzip:chunk=12", 8, decode_budget=None)
+    batch = kvsieve.make_cache(llama_gqa, "kvzip:chunk=12,layers=each", 8, decode_budget=None)
     kvsieve.compress_context(llama_gqa, batch, ids, ASKING, mask)
     for row, alone_ids in enumerate([long, short]):
-        alone = kvsieve.make_cache(llama_gqa, "kvzip:chunk=12", 8, decode_budget=None)
+        alone = kvsieve.make_cache(llama_gqa, "kvzip:chunk=12,layers=each", 8, decode_budget=None)
         kvsieve.compress_context(llama_gqa, alone, alone_ids, ASKING)
         for a, b in zip(batch.layers, alone.layers, strict=True):
             assert torch.equal(a.held_positions()[row].sort(-1).values, b.held_positions()[0].sort(-1).values)

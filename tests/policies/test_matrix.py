@@ -34,10 +34,16 @@ def model(model_name: str, request: pytest.FixtureRequest) -> PreTrainedModel:
 
 
 def _bounds(model: PreTrainedModel, cache: kvsieve.SieveCache, policy: str) -> list[int | None]:
-    """Most slots each layer may hold between steps (None = unbounded); sliding layers keep ``window - 1``."""
-    own = BUDGET if REGISTRY[policy].bounded else None
+    """Most slots each layer may hold between steps (None = unbounded); sliding layers keep ``window - 1``; a budget
+    shared by the layers (kvzip) gives each its share, which sum to the budget's total."""
     window = getattr(model.config.get_text_config(), "sliding_window", None)
-    return [window - 1 if layer.is_sliding else own for layer in cache.layers]
+    if not REGISTRY[policy].bounded:
+        return [window - 1 if layer.is_sliding else None for layer in cache.layers]
+    own = [BUDGET if layer.policy is None else layer.policy.budget for layer in cache.layers]
+    assert sum(b for b, layer in zip(own, cache.layers, strict=True) if not layer.is_sliding) == BUDGET * sum(
+        not layer.is_sliding for layer in cache.layers
+    )
+    return [window - 1 if layer.is_sliding else b for b, layer in zip(own, cache.layers, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +55,9 @@ def full_nbytes() -> dict[str, int]:
 @policies
 def test_budget_invariant_through_200_decode_steps(model_name, model, policy, stream, make_ids, full_nbytes) -> None:
     cache = kvsieve.make_cache(model, policy, BUDGET)
-    bounds = _bounds(model, cache, policy)
 
     def check() -> None:
+        bounds = _bounds(model, cache, policy)
         for i, (bound, n, cap) in enumerate(zip(bounds, cache.slot_counts(), cache.capacities(), strict=True)):
             if bound is not None:
                 assert n <= bound, f"layer {i} holds {n} slots > {bound}"
@@ -59,7 +65,7 @@ def test_budget_invariant_through_200_decode_steps(model_name, model, policy, st
 
     logits = stream(model, cache, make_ids(2, PROMPT), STEPS, on_step=check)
     assert torch.isfinite(logits).all()
-    for bound, n in zip(bounds, cache.slot_counts(), strict=True):
+    for bound, n in zip(_bounds(model, cache, policy), cache.slot_counts(), strict=True):
         assert n == PROMPT + STEPS if bound is None else 0 < n <= bound  # unbounded layers grow with every token
     if model_name not in full_nbytes:
         full = kvsieve.make_cache(model, "full")

@@ -125,7 +125,8 @@ def test_invariants_hold_for_any_run(tiny_models, run) -> None:
     if run["policy"] == "full":
         reference = _feed(model, DynamicCache(config=model.config), ids, mask, steps, lambda cache: None)
         torch.testing.assert_close(logits[real], reference[real], atol=1e-4, rtol=0)
-    if run["dtype"] == torch.float64 and batch > 1:
+    # (a budget shared by the layers is shared over the rows of a batch together: its rows are not as alone)
+    if run["dtype"] == torch.float64 and batch > 1 and not cache.plan.policies[-1].shares_budget():
         budget = cache.budget_tokens if isinstance(run["budget"], float) else run["budget"]
         for row in range(batch):
             alone = kvsieve.make_cache(model, run["policy"], budget, stream=run["stream"], **run["params"])
