@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from kvsieve.engine.budget import check_budget, parse_budget, resolve_budget
+from kvsieve.engine.budget import check_budget, parse_budget, resolve_budget, shared_budgets
 
 
 @pytest.mark.parametrize(
@@ -89,3 +90,14 @@ def test_resolve_budget_errors() -> None:
         resolve_budget(0.5, 0)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         resolve_budget(2.0, 10)
+
+
+def test_shared_budgets_follow_one_selection_over_the_layers() -> None:
+    low, high = torch.zeros(1, 2, 10), torch.ones(1, 2, 10)
+    # (a layer's count among the top 12 · 2, over its 2 heads; at least 1 each, which the largest gives)
+    assert shared_budgets([high, torch.full((1, 2, 10), 0.1), torch.full((1, 2, 10), 0.2)], 12) == [9, 1, 2]
+    assert shared_budgets([low, high, low], 6) == [1, 4, 1]
+    assert shared_budgets([torch.rand(1, 2, 4) for _ in range(3)], 30) == [10, 10, 10]  # (all held: shared evenly)
+    mixed = torch.tensor([[[0.9, 0.8, 0.1], [0.9, 0.1, 0.1]]])  # (heads of one layer: their average count)
+    assert shared_budgets([mixed, torch.full((1, 2, 3), 0.5)], 4) == [2, 2]
+    assert sum(shared_budgets([torch.rand(2, 2, n) for n in (7, 3, 12)], 9)) == 9
