@@ -41,7 +41,8 @@ class KVzip(Policy):
     assistant's header, then the chunk. Each probe attends the held context and its own tokens and is removed after
     (:meth:`~kvsieve.engine.cache.SieveCache.probing`). A held token's score is the largest attention probability any
     probe query gives it, over the query heads of its KV head's group and over the probes' queries (the request's
-    too, as the authors' code counts them); then each (row, KV head) keeps its ``budget`` highest scores.
+    too, as the authors' code counts them); then each (row, KV head) keeps its highest scores, as many as its layer's
+    share of the budget (below).
 
     Choices, each where the paper or the authors' code leave kvsieve a decision:
 
@@ -51,7 +52,10 @@ class KVzip(Policy):
       memory. The paper's default selects over heads too (a global threshold: heads of one layer keep different
       counts), which kvsieve's slots, the same count for every head of a layer, do not hold yet. In a batch the
       shares are chosen over all its rows together (its rows then keep what they would not alone). ``layers="each"``:
-      every layer keeps the budget (the authors' "uniform" head budgets).
+      every layer keeps the budget (the authors' "uniform" head budgets). Measured on Qwen2.5-Coder-0.5B, RULER at
+      4,096 tokens, a quarter kept, question-agnostic: on ``niah_multikey_2`` #0–1 and ``niah_single_3`` #0,
+      ``each`` answered none, ``shared`` all three (as kvpress's ``KVzipPress``); the shares are far from even (one
+      sample: from 15 tokens in a layer to 3,924 of 4,063).
     - **The probabilities are the model's own**: a softmax over every held token and the probe's own, as the layer's
       forward pass attends. The authors' code normalises the scores of a chunk over the sink tokens, that chunk and
       the probe only (each chunk then scores against itself).
