@@ -36,12 +36,14 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
 
         print(format_table([Fetched(**row) for row in result["pieces"]]))
     elif command == "policies":
+        width = max(len(row["name"]) for row in result["policies"])
         for row in result["policies"]:
             flag = "needs attention" if row["needs_attention"] else "no attention needed"
+            flag = "scored by probes" if row["probed"] else "reads queries" if row["needs_queries"] else flag
             params = ", ".join(f"{k}={v}" for k, v in row["params"].items()) or "-"
             memory = "" if row["saves_memory"] else "  [keeps every token: saves no memory]"
-            print(f"{row['name']:<14} {flag:<20} params: {params}{memory}")
-            print(f"{'':14} {row['summary']}\n{'':14} {row['paper']}")
+            print(f"{row['name']:<{width}} {flag:<20} params: {params}{memory}")
+            print(f"{'':{width}} {row['summary']}\n{'':{width}} {row['paper']}")
     elif command == "generate":
         print(result["text"])
         print(

@@ -258,6 +258,8 @@ class Policy:
             "name": cls.name,
             "paper": cls.paper,
             "needs_attention": cls.needs_attention,
+            "needs_queries": cls.needs_queries,
+            "probed": cls.probed,
             "bounded": cls.bounded,
             "saves_memory": cls.bounded,
             "takes_budget": cls.takes_budget(),

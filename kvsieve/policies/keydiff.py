@@ -19,8 +19,7 @@ class KeyDiffParams:
 
 @register
 class KeyDiff(Policy):
-    """Keeps the ``budget`` tokens whose cached keys are least similar to the mean key direction (plus the ``recent``
-    newest).
+    """Keeps the tokens whose cached keys are least like the mean key direction, and the ``recent`` newest.
 
     Park et al., "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
     Resource-Constrained Environments", 2025 (arXiv:2504.15364): keys that point away from the others draw attention

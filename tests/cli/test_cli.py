@@ -26,6 +26,10 @@ def test_policies_lists_every_registered_policy(capsys) -> None:
     assert [r["name"] for r in rows] == list(REGISTRY)
     for row in rows:
         assert row["needs_attention"] is REGISTRY[row["name"]].needs_attention
+        assert (row["probed"], row["needs_queries"]) == (
+            REGISTRY[row["name"]].probed,
+            REGISTRY[row["name"]].needs_queries,
+        )
         assert row["summary"] and row["paper"]
 
 
