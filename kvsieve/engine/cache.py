@@ -16,11 +16,11 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from kvsieve.engine.attention import UnsupportedModelError
-from kvsieve.engine.budget import Budget, shared_budgets
+from kvsieve.engine.budget import Budget
 from kvsieve.engine.compiled import use_kernels
 from kvsieve.engine.eviction import keep_scores
 from kvsieve.engine.layer import SieveLayer
-from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo
+from kvsieve.engine.plan import SAME, DecodeBudget, PolicyPlan, StepMemo, shared_budgets
 from kvsieve.engine.quant import PLAIN, Codec, KVQuant
 from kvsieve.engine.rope import Rotary
 from kvsieve.engine.saved import export_layer, restore_layer
@@ -217,7 +217,7 @@ class SieveCache(Cache):
         """End :meth:`hold`: every layer evicts down to its prompt budget by its policy's priorities (what the held
         passes and probes left), then decodes under its decode budget as after any prompt. A policy whose
         priorities compare across layers (``Policy.shares_budget``) first shares the policy layers' budget by one
-        selection over all of them (:func:`~kvsieve.engine.budget.shared_budgets`): each layer keeps its share."""
+        selection over all of them (:func:`~kvsieve.engine.plan.shared_budgets`): each layer keeps its share."""
         if not self.holding:
             raise ValueError("compress() ends a hold: call cache.hold() before the passes to compress")
         shared = [layer for layer in self.layers if layer.store is not None and layer.policy.shares_budget()]

@@ -151,6 +151,31 @@ class PolicyPlan:
             self.budget_tokens = None
 
 
+def shared_budgets(priorities: list[torch.Tensor], total: int) -> list[int]:
+    """Each layer's share of ``total`` tokens per (row, KV head), by one selection over all layers: ``priorities``
+    ``[B, H, N_l]`` per layer (comparable across layers; -inf: a slot that holds no token). The ``total · B · H``
+    highest are taken; a layer's budget is its count among them over ``B · H`` (each of its heads keeps that many:
+    heads hold the same count), at least 1, the remainders going to the largest fractions, so that the budgets sum
+    to ``total``; where every held token is taken, what is left is shared evenly (room to grow, as under a uniform
+    budget larger than the prompt)."""
+    rows_heads = priorities[0].shape[0] * priorities[0].shape[1]
+    sizes = torch.tensor([p.shape[-1] for p in priorities])
+    flat = torch.cat([p.float().flatten(0, 1).T.flatten() for p in priorities])  # (layer by layer)
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), sizes * rows_heads)
+    chosen = owner[flat.topk(min(total * rows_heads, flat.numel())).indices.cpu()]
+    share = torch.bincount(chosen, minlength=len(sizes)).double() / rows_heads
+    budgets = share.floor().long().clamp(min=1)
+    while int(budgets.sum()) > total:  # (the floor of 1 took more: the largest give it back)
+        budgets[int(budgets.argmax())] -= 1
+    fraction = (share - share.floor()).tolist()
+    for i in sorted(range(len(sizes)), key=lambda i: -fraction[i]):  # (the largest remainders first, with room)
+        if int(budgets.sum()) < total and budgets[i] < sizes[i]:
+            budgets[i] += 1
+    left = total - int(budgets.sum())
+    budgets += left // len(sizes) + (torch.arange(len(sizes)) < left % len(sizes)).long()
+    return budgets.tolist()
+
+
 def _shares() -> bool:
     """Whether the layers share what they compute: in eager steps only. Under ``torch.compile`` each layer computes
     its own (the same values: the compiler sees the ops twice), since checking a stamp would read the step's Python

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from kvsieve.engine.budget import check_budget, parse_budget, resolve_budget, shared_budgets
+from kvsieve.engine.budget import check_budget, parse_budget, resolve_budget
+from kvsieve.engine.plan import shared_budgets
 
 
 @pytest.mark.parametrize(

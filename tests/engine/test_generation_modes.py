@@ -114,7 +114,7 @@ def count_rollbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return removed
 
 
-@pytest.mark.parametrize("policy", list(REGISTRY))
+@pytest.mark.parametrize("policy", [name for name, cls in REGISTRY.items() if not cls.probed])  # (kvzip: refused)
 @pytest.mark.parametrize("mode", ["assistant", "prompt-lookup"])
 def test_assisted_generation_gives_plain_greedy_tokens(
     policy, mode, llama_gqa, gemma3, assistant, make_ids, count_rollbacks

@@ -73,7 +73,7 @@ def test_quantized_slots_equal_the_round_tripped_reference(tiny_models, make_ids
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("policy", sorted(REGISTRY))
+@pytest.mark.parametrize("policy", sorted(name for name, cls in REGISTRY.items() if not cls.probed))
 def test_one_pass_streaming_equals_token_by_token(tiny_models, make_ids, policy) -> None:
     whole, steps = _whole_and_steps(tiny_models("llama_gqa", torch.float64), make_ids(2, 48), policy, bits=4)
     torch.testing.assert_close(whole[0], steps[0], rtol=0, atol=1e-10)
