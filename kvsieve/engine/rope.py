@@ -60,9 +60,20 @@ class Rotary:
         """Rotate ``x`` ``[B, H, n, D]`` by positions ``angle_pos`` (``[B, H, n]`` or ``[B, 1, n]``, may be
         negative or fractional)."""
         freqs = angle_pos.to(torch.float32)[..., None] * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        return _turned(x, freqs.cos(), freqs.sin())
+
+    def averaged(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, ..., D]`` (its last dimension a vector, each row ``b`` its own) times the mean of the rotations
+        at ``positions`` ``[B, F]``: the rotation's form with the means of their cosines and sines."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(x.device)  # [B, F, D/2]
+        shape = (x.shape[0], *([1] * (x.dim() - 2)), -1)
+        return _turned(x, freqs.cos().mean(1).view(shape), freqs.sin().mean(1).view(shape))
+
+
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x·cos + rotate_half(x)·sin``, ``cos`` and ``sin`` given per frequency (half the last dimension)."""
+    cos, sin = torch.cat((cos, cos), dim=-1).to(x.dtype), torch.cat((sin, sin), dim=-1).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
 
 
 def ranks(pos: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,6 @@ class ExpectedAttentionParams:
     """Added to the expected attention before the value norm weighs it."""
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 @register
 class ExpectedAttention(Policy):
     """Keeps the tokens that the next queries, modelled as Gaussian, are expected to attend to most.
@@ -82,19 +77,15 @@ class ExpectedAttention(Policy):
         weight = (query_pos >= p.sinks)[:, None, :, None].float()  # (padding's position is -1)
         count = weight.sum(dim=2).clamp(min=1)  # [B, 1, 1]
         mean = (plain * weight).sum(dim=2) / count  # [B, Hq, D]
-        # The rotation averaged over the next `future` positions: cos and sin means per frequency.
+        # R̄: the rotation averaged over the next `future` positions
         ahead = slots.last[:, None] + 1 + torch.arange(p.future, device=queries.device)  # [B, F]
-        angles = ahead[..., None].float() * rope.inv_freq.to(queries.device)  # [B, F, D/2]
-        cos, sin = (torch.cat((t, t), dim=-1)[:, None] for t in (angles.cos().mean(1), angles.sin().mean(1)))
-        mean = cos * mean + sin * _rotate_half(mean)  # R̄μ  [B, Hq, D]
         keys = slots.keys.float().repeat_interleave(group, dim=1)  # [B, Hq, N, D]
-        logits = torch.einsum("bhnd,bhd->bhn", keys, mean)
+        logits = torch.einsum("bhnd,bhd->bhn", keys, rope.averaged(mean, ahead))  # (k · R̄μ)
         if p.covariance:
-            centered = (plain - (plain * weight).sum(dim=2, keepdim=True) / count[..., None]) * weight
+            centered = (plain - mean[:, :, None]) * weight
             cov = torch.einsum("bhnd,bhne->bhde", centered, centered) / count[..., None]
-            # R̄ = diag(cos) + diag(sin)·P, P x = rotate_half(x): R̄ Σ R̄ᵀ, both sides
-            rotated = cos[..., None] * cov + sin[..., None] * _rotate_half(cov.transpose(-1, -2)).transpose(-1, -2)
-            rotated = rotated * cos[..., None, :] + _rotate_half(rotated) * sin[..., None, :]
+            # R̄ Σ R̄ᵀ: `averaged` turns each row (M ↦ M R̄ᵀ), so twice with a transpose between (Σ is symmetric)
+            rotated = rope.averaged(rope.averaged(cov, ahead).transpose(-1, -2), ahead)
             logits = logits + 0.5 * ((keys @ rotated) * keys).sum(dim=-1)
         logits = logits.masked_fill((slots.pos < 0).repeat_interleave(group, dim=1), float("-inf"))
         expected = logits.softmax(dim=-1).view(bsz, heads, group, -1).mean(dim=2)
