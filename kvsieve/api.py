@@ -111,8 +111,8 @@ def compress_context(
     if cache.get_seq_length() != 0:
         raise ValueError("compress_context fills an empty cache (make one, or reset() it)")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
-    policies = cache.plan.resolve(input_ids.shape[1])
-    probed = next((policy for policy in policies if policy.probed), None)
+    cache.plan.resolve(input_ids.shape[1])
+    probed = cache.plan.probed
     if probed is not None and asking is None:
         raise ValueError(f"{probed.name} needs to know how to ask the model about the context (asking=)")
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -141,7 +141,8 @@ def probe_context(
     """Feed the probes of ``cache``'s policy for the context it holds (:meth:`SieveCache.hold`), ``input_ids``
     ``[B, n]`` as it was fed (left-padded where ``attention_mask`` says): each row's ``j``-th probes, left-padded
     into one pass, placed after the row's own tokens (:meth:`SieveCache.probing`)."""
-    probed = next((policy for policy in cache.plan.resolve(input_ids.shape[1]) if policy.probed), None)
+    cache.plan.resolve(input_ids.shape[1])
+    probed = cache.plan.probed
     if probed is None:
         raise ValueError(f"{cache.policy_name} has no probes: its cache is compressed as the context is fed")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)

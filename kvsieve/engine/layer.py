@@ -138,7 +138,7 @@ class SieveLayer(CacheLayerMixin):
         if self.policy is None:
             prompt = key_states.shape[-2] if self.prompt_tokens is None else self.prompt_tokens
             self.policy = self.plan.resolve(prompt)[self.layer_idx]
-        probed = next((p for p in self.plan.policies if p.probed), None) if self.tokens_seen == 0 else None
+        probed = self.plan.probed if self.tokens_seen == 0 else None
         if probed is not None and not self.holding:  # (refused at the first layer, before anything is stored)
             raise ValueError(
                 f"{probed.name} scores a context by passes of its own before compressing it: compress it with "

@@ -140,6 +140,12 @@ class PolicyPlan:
         return None if self.growth is None else policy.budget + self.growth
 
     @property
+    def probed(self) -> Policy | None:
+        """The first layer policy scored by probes of its own (``Policy.probes``: ``kvzip``), once resolved; None
+        where there is none."""
+        return next((policy for policy in self._policies or () if policy.probed), None)
+
+    @property
     def policies(self) -> list[Policy] | None:
         """The policies of all layers, once resolved."""
         return self._policies
