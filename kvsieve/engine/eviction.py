@@ -73,7 +73,7 @@ def _choose(layer: SieveLayer, slots: Slots, target: int) -> torch.Tensor:
     if layer.store.used - target == 1:
         out = victims_buffer(layer, slots.pos) if layer.plan.groups[layer.layer_idx] is None else None
         padded = layer.store.may_hold_padding
-        victims = compiled_victims(layer.policy.rule, slots, padded, out) if layer.kernels else None
+        victims = compiled_victims(layer.policy.compiled_rule, slots, padded, out) if layer.kernels else None
         return keep_scores(layer, slots).argmin(dim=-1, keepdim=True) if victims is None else victims
     scores = keep_scores(layer, slots)
     return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values

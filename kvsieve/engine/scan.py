@@ -188,7 +188,7 @@ def _decide(
     policy, limit = layer.policy, layer.limit  # (scanned runs are bounded: the limit holds for the run)
     first = pos.shape[2] - query_pos.shape[1]
     decided = (
-        compiled_decide(policy.rule, logits, pos, query_pos, lasts, pads, state, first, limit)
+        compiled_decide(policy.compiled_rule, logits, pos, query_pos, lasts, pads, state, first, limit)
         if layer.kernels
         else None
     )

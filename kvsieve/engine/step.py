@@ -156,7 +156,7 @@ def _attend(
         and seen.all_visible
         and not (args.explicit or exact)
         and layer.kernels
-        and decodes_by_rule(policy.rule, keys.device)
+        and decodes_by_rule(policy.compiled_rule, keys.device)
     ):
         decided = _decide_by_rule(layer, query, keys, values, slots, args)
         if decided is not None:
@@ -208,7 +208,7 @@ def _decide_by_rule(
     torch."""
     if query.requires_grad or layer.policy.observed_rows() == 0:
         return None
-    used, rule = layer.store.used, layer.policy.rule
+    used, rule = layer.store.used, layer.policy.compiled_rule
     will_evict = layer.n_keep(used) == used - 1
     victims = victims_buffer(layer, keys)
     scale = None

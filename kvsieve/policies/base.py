@@ -31,7 +31,8 @@ A policy whose ``observe`` and ``keep_scores`` follow one of the rules the engin
 with ``scan_rule`` (:mod:`kvsieve.engine.rules`: ``ScoreRule``, ``LowMarks``, ``FixedPriority``): the stream
 protocol's scan and a decode step's victim then run without calling them, with the same decisions. A policy of a
 family states only its rule; the family's class (:mod:`kvsieve.policies.families`) is the rule's one torch
-statement, which the compiled loops are tested against.
+statement, which the compiled loops are tested against. A subclass that overrides one of the methods its rule stands for
+(:data:`RULED`) without stating a rule of its own is run by its methods, never by the loops (``compiled_rule``).
 
 A policy that scores tokens from the queries themselves, without attention weights (``expected_attention``),
 overrides ``observe_queries(slots, queries, query_pos, rope)``: the engine hands it each step's queries (scaled, after
@@ -188,6 +189,21 @@ class Observation:
         return self.mask
 
 
+RULED = ("observe", "keep_scores", "n_keep", "state_spec", "initial_state")
+"""What a :meth:`~Policy.scan_rule` stands for: the compiled loops run the rule in place of these methods."""
+
+
+def _defining(cls: type, name: str) -> type:
+    """The class in ``cls``'s method resolution order that defines ``name``."""
+    return next(c for c in cls.__mro__ if name in vars(c))
+
+
+def _rule_is_statement(cls: type) -> bool:
+    """Whether none of :data:`RULED` is overridden below the class that states ``cls``'s scan rule."""
+    owner = _defining(cls, "scan_rule")
+    return all(issubclass(owner, _defining(cls, name)) for name in RULED)
+
+
 class Policy:
     """Base class. Subclasses set ``name``, ``paper``, ``Params`` (a dataclass of their parameters) and override what
     they need. One instance serves one cache layer and knows that layer's ``budget`` (``None`` = unbounded)."""
@@ -224,6 +240,10 @@ class Policy:
     probed: ClassVar[bool] = False
     """Inferred: whether the policy overrides :meth:`probes` (it compresses a context only after passes of its
     own: a cache under it is filled by :func:`kvsieve.compress_context`)."""
+    rule_is_statement: ClassVar[bool] = True
+    """Inferred: whether the class that states :meth:`scan_rule` also states, or inherits, everything its rule
+    stands for (:data:`RULED`). A subclass that overrides one of them without stating its own rule is not run by
+    the engine's compiled loops (:attr:`compiled_rule` is None): they would run the rule, not its code."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -232,6 +252,7 @@ class Policy:
         cls.counts_rows = cls.n_keep is not Policy.n_keep
         cls.probed = cls.probes is not Policy.probes
         cls.needs_queries = cls.observe_queries is not Policy.observe_queries
+        cls.rule_is_statement = _rule_is_statement(cls)
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
         self.params = self.Params() if params is None else params
@@ -242,8 +263,11 @@ class Policy:
         self.budget = budget if self.takes_budget() else None
         self.setup()
         self.rule: ScanRule | None = self.scan_rule()
-        """:meth:`scan_rule`, stated once (the parameters never change; a plain attribute, which a compiled step
-        reads without a lock)."""
+        """:meth:`scan_rule`, stated once (the parameters never change)."""
+        self.compiled_rule: ScanRule | None = self.rule if self.rule_is_statement else None
+        """The rule the engine's compiled loops run in place of this policy's methods: :attr:`rule` where it is
+        the policy's own statement (:attr:`rule_is_statement`), else None (the methods run). A plain attribute,
+        which a compiled step reads without a lock."""
 
     @classmethod
     def takes_budget(cls) -> bool:

@@ -13,9 +13,11 @@ from kvsieve.engine import step as step_module
 from kvsieve.engine.rules import FixedPriority, LowMarks, Pattern, ScoreRule
 from kvsieve.policies import REGISTRY
 from kvsieve.policies.ahakv import AhaKV
-from kvsieve.policies.base import Slots, demote
+from kvsieve.policies.base import Observation, Slots, accumulate, demote
 from kvsieve.policies.families import MarksPolicy, PriorityPolicy
 from kvsieve.policies.h2o import H2O
+from kvsieve.policies.knorm import KNorm
+from kvsieve.policies.scissorhands import Scissorhands
 from kvsieve.policies.snapkv import SnapKV
 
 pytestmark = pytest.mark.skipif(compiled.numba is None, reason="numba (the `fast` extra) is not installed")
@@ -131,6 +133,59 @@ def test_a_new_member_of_a_family_is_run_by_the_loops_as_by_its_torch_statement(
     assert all(map(torch.equal, fast_kept, slow_kept))
     assert torch.equal(fast_logits, slow_logits)
     _generates_alike(llama_gqa, make_ids, monkeypatch, policy, padded=True)
+
+
+class _LeastAttendedH2O(H2O):
+    """h2o keeping the tokens least attended: it overrides how it observes and states no rule of its own (not
+    registered)."""
+
+    name = "least_attended_h2o"
+
+    def observe(self, slots: Slots, obs: Observation) -> None:
+        accumulate(slots.state["score"], -obs.probs)
+
+
+class _MostMarkedScissorhands(Scissorhands):
+    """Scissorhands keeping its most-marked tokens: it overrides how it scores and states no rule of its own (not
+    registered)."""
+
+    name = "most_marked_scissorhands"
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return -super().keep_scores(slots)
+
+
+class _LowestKNorm(KNorm):
+    """knorm keeping its largest key norms: it overrides how it scores and states no rule of its own."""
+
+    name = "lowest_knorm"
+
+    def keep_scores(self, slots: Slots) -> torch.Tensor:
+        return -super().keep_scores(slots)
+
+
+@pytest.mark.parametrize(
+    ("policy", "parent"), [(_LeastAttendedH2O, H2O), (_MostMarkedScissorhands, Scissorhands), (_LowestKNorm, KNorm)]
+)
+def test_a_policy_that_overrides_its_familys_statement_is_never_run_by_the_loops(
+    llama_gqa, make_ids, monkeypatch, policy, parent
+) -> None:
+    """A subclass that overrides how its family observes or scores, without stating its own rule, keeps its parent's
+    rule (its own methods read it) but no compiled loop stands in for its methods: neither in a stream nor at a
+    decode step. Its own code decides (other tokens than its parent's), with the loops available or not."""
+    assert parent(12).compiled_rule is not None
+    assert policy(12).rule == parent(12).rule and policy(12).compiled_rule is None
+    ids = make_ids(2, 120)
+    (fast_logits, fast_kept), (slow_logits, slow_kept), runs = _both(llama_gqa, ids, policy, 12, monkeypatch)
+    assert not runs
+    assert all(map(torch.equal, fast_kept, slow_kept)) and torch.equal(fast_logits, slow_logits)
+    _, parents_kept = _streamed(llama_gqa, ids, parent, 12)
+    assert not all(map(torch.equal, fast_kept, parents_kept))
+    calls: list[int] = []
+    for name in ("_decode_rule", "_decode_marks", "_victims", "_fixed_victims"):
+        monkeypatch.setattr(compiled, name, _counted(getattr(compiled, name), calls))
+    _generates_alike(llama_gqa, make_ids, monkeypatch, policy, padded=False)
+    assert not calls
 
 
 @pytest.mark.parametrize(
