@@ -7,7 +7,13 @@ window and take no part. The schedules:
 - ``uniform`` (default): every layer gets the budget.
 - ``increasing``: a linear ramp, later layers more (Scissorhands' rule of thumb): weights from 1 at the first layer
   to 3 at the last, i.e. about half the budget at the bottom and 1.5× at the top.
-- ``pyramid``: the same ramp reversed, earlier layers more (like PyramidKV, whose own ramp is steeper).
+- ``pyramid``: PyramidKV's (Cai et al., 2024, arXiv:2406.02069, §3.3): the layers' budgets fall in an arithmetic
+  sequence from the first layer to the last, the last holding ``1/β`` of the mean and the first ``2 − 1/β`` of it,
+  ``β = 20`` (:func:`pyramid`). Choices: the sequence shares each layer's whole budget, the policy's own window
+  included (the paper keeps its window of instruction tokens in every layer besides; kvpress's ``PyramidKVPress``
+  shares the whole budget as here); and a layer whose share exceeds the prompt keeps the whole prompt and holds the
+  rest for the tokens that follow, where the paper's code, which compresses the prompt once, lowers the first
+  layers' shares to the prompt and gives the excess to the last layers.
 - ``profiled``: weights measured per layer on a calibration text (:func:`kvsieve.profiling.profile`, outside the
   engine: it runs the model): layers whose queries spread their attention over more of the context get more tokens.
 
@@ -49,6 +55,18 @@ def ramp(n_layers: int) -> list[float]:
     return [1.0 + 2.0 * i / max(1, n_layers - 1) for i in range(n_layers)]
 
 
+PYRAMID_BETA = 20
+"""PyramidKV's β: the last layer holds ``1/β`` of the mean budget (the paper's code and kvpress default to 20)."""
+
+
+def pyramid(n_layers: int, beta: float = PYRAMID_BETA) -> list[float]:
+    """PyramidKV's weights: an arithmetic sequence from ``2 − 1/β`` (first layer) to ``1/β`` (last), mean 1."""
+    if n_layers == 1:
+        return [1.0]
+    top, bottom = 1 / beta, 2 - 1 / beta
+    return [bottom - (bottom - top) * i / (n_layers - 1) for i in range(n_layers)]
+
+
 def schedule_weights(
     schedule: str | Sequence[float], n_layers: int, profiled: Callable[[], list[float]]
 ) -> list[float] | None:
@@ -62,7 +80,7 @@ def schedule_weights(
     if schedule == "increasing":
         return ramp(n_layers)
     if schedule == "pyramid":
-        return ramp(n_layers)[::-1]
+        return pyramid(n_layers)
     if schedule == "profiled":
         return profiled()
     raise ValueError(f"unknown layer schedule {schedule!r}; available: {', '.join(SCHEDULES)} (or a list of weights)")

@@ -13,7 +13,7 @@ import torch
 import kvsieve
 from kvsieve import profiling
 from kvsieve.cli import build_parser, main
-from kvsieve.engine.schedules import ramp, split_budget
+from kvsieve.engine.schedules import pyramid, ramp, split_budget
 from kvsieve.policies import Observation, Slots
 from kvsieve.profiling import Coverage, CoverageParams, profile
 
@@ -41,7 +41,7 @@ def test_split_budget_rejects_bad_input(budget, weights) -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "expected"),
-    [("uniform", [10, 10, 10]), ("increasing", [6, 10, 14]), ("pyramid", [15, 10, 5]), ([1, 1, 2], [8, 8, 14])],
+    [("uniform", [10, 10, 10]), ("increasing", [6, 10, 14]), ("pyramid", [19, 10, 1]), ([1, 1, 2], [8, 8, 14])],
 )
 def test_schedules_share_the_same_total(llama_gqa, stream, make_ids, schedule, expected) -> None:
     cache = kvsieve.make_cache(llama_gqa, "h2o", 10, schedule=schedule)
@@ -56,9 +56,24 @@ def test_ramp_shapes() -> None:
     weights = ramp(30)
     assert all(a < b for a, b in itertools.pairwise(weights))
     for budget in (1, 3, 100):
-        increasing, pyramid = split_budget(budget, weights), split_budget(budget, weights[::-1])
-        assert increasing == sorted(increasing) and pyramid == sorted(pyramid, reverse=True)
+        increasing, falling = split_budget(budget, weights), split_budget(budget, pyramid(30))
+        assert increasing == sorted(increasing) and falling == sorted(falling, reverse=True)
     assert split_budget(100, weights)[0] < 60 and split_budget(100, weights)[-1] > 140  # about B/2 to 3B/2
+
+
+@pytest.mark.parametrize(("layers", "budget"), [(24, 2048), (24, 1024), (30, 410), (2, 100)])
+def test_pyramid_is_pyramidkvs_arithmetic_sequence(layers, budget) -> None:
+    """PyramidKV (§3.3): the last layer holds k_total / (β·m), the first 2·k_total / m minus that, the others in
+    arithmetic sequence between; the same total as the uniform budget, each layer within two tokens of the formula
+    (every layer first gets one token, then the rounding)."""
+    k_total, beta = layers * budget, 20
+    top = k_total / (beta * layers)
+    bottom = 2 * k_total / layers - top
+    paper = [bottom - (bottom - top) / (layers - 1) * i for i in range(layers)]
+    ours = split_budget(budget, pyramid(layers))
+    assert sum(ours) == k_total
+    assert all(abs(a - b) < 2 for a, b in zip(ours, paper, strict=True))
+    assert pyramid(1) == [1.0]
 
 
 def test_ratio_budget_is_split_when_resolved(llama_gqa, stream, make_ids) -> None:
@@ -75,7 +90,7 @@ def test_only_policy_layers_share_the_budget(gemma3) -> None:
 
 
 def test_a_layer_budget_the_policy_cannot_use_is_a_clear_error(llama_gqa, stream, make_ids) -> None:
-    message = r"layer 2 gets 3 tokens under the layer schedule: streaming_llm: sink \(4\) must be smaller"
+    message = r"layer 2 gets 1 tokens under the layer schedule: streaming_llm: sink \(4\) must be smaller"
     with pytest.raises(ValueError, match=message):
         kvsieve.make_cache(llama_gqa, "streaming_llm", 5, schedule="pyramid", sink=4)
     cache = kvsieve.make_cache(llama_gqa, "streaming_llm", 0.25, schedule="pyramid", sink=4)
@@ -95,7 +110,7 @@ def test_bad_schedules(llama_gqa) -> None:
 
 def test_full_ignores_the_schedule_and_topk_oracle_follows_it(llama_gqa) -> None:
     assert _budgets(kvsieve.make_cache(llama_gqa, "full", None, schedule="pyramid")) == [None] * 3
-    assert _budgets(kvsieve.make_cache(llama_gqa, "topk_oracle", 10, schedule="pyramid")) == [15, 10, 5]
+    assert _budgets(kvsieve.make_cache(llama_gqa, "topk_oracle", 10, schedule="pyramid")) == [19, 10, 1]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -159,7 +174,7 @@ def test_cli_schedule_option(tiny_lm, wiki_text, profiles, tmp_path, capsys) -> 
     text.write_text(wiki_text)
     args = ["ppl", "--model", str(tmp_path / "tiny"), "--file", str(text), "--max-tokens", "64", "--json"]
     assert main([*args, "--budget", "16", "--schedule", "pyramid"]) == 0
-    assert json.loads(capsys.readouterr().out)["kv_slots_max"] == 24  # 48 tokens shared 3:2:1 -> 24, 16, 8
+    assert json.loads(capsys.readouterr().out)["kv_slots_max"] == 30  # 48 tokens shared 1.95:1:0.05 -> 30, 16, 2
     assert main([*args, "--budget", "16", "--schedule", "profiled"]) == 0
     (saved,) = profiles.glob("*.json")  # measured with the model's own tokenizer on the built-in text
     weights = json.loads(saved.read_text())["weights"]
