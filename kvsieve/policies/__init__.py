@@ -35,6 +35,7 @@ MODULES = (
     "kvzip",
     "keydiff",
     "expected_attention",
+    "rkv",
 )
 for _module in MODULES:
     importlib.import_module(f"{__name__}.{_module}")  # (each module registers its policy)

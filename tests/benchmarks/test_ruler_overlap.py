@@ -21,10 +21,10 @@ def test_both_arms_answer_alike_and_joining_takes_fewer_steps(tiny_lm, monkeypat
     monkeypatch.setattr(ruler_predict, "max_new_tokens", lambda task: 3 + len(task) % 3)
     work = script.units(tok, 200, 3)
     assert [(s.task, s.index) for s, *_ in work] == [("niah_single_1", 0), ("niah_single_2", 0), ("niah_single_3", 0)]
-    assert len(work[0][2]) == 133  # (the default grid)
+    assert len(work[0][2]) == 141  # (the default grid)
     alone, alone_texts = script.arm(model, tok, work, together=False, kv_memory=10**12)
     joined, joined_texts = script.arm(model, tok, work, together=True, kv_memory=10**12)
-    assert alone_texts == joined_texts and len(alone_texts) == 3 * 133
+    assert alone_texts == joined_texts and len(alone_texts) == 3 * 141
     assert alone["prompt_passes"] == joined["prompt_passes"] == 3 + 3  # (and kvzip's probe of each sample)
     assert joined["decode_steps"] < alone["decode_steps"] and joined["rows_per_step"] > alone["rows_per_step"]
     assert alone["correct"] == joined["correct"]

@@ -90,8 +90,10 @@ HOST_SYNCS = frozenset(
         "aten.equal.default",
     }
 )
-EVERY_STEP = [f"{name}:drop=1" if name == "scissorhands" else name for name in BOUNDED]
-"""Every bounded policy, evicting one token per decode step (scissorhands drops ``m`` at once by default)."""
+BULK = {"scissorhands": "drop", "rkv": "buffer"}
+"""Policies that drop several tokens at once by default, and the parameter that says how many."""
+EVERY_STEP = [f"{name}:{BULK[name]}=1" if name in BULK else name for name in BOUNDED]
+"""Every bounded policy, evicting one token per decode step."""
 BUDGET = 12
 
 

@@ -322,10 +322,10 @@ def test_grid_is_full_once_then_protocol_policy_compression() -> None:
 
 
 def test_default_policies_are_all_but_the_oracle() -> None:
-    """Every registered policy but the reference that saves no memory (topk_oracle); 133 settings at the default
+    """Every registered policy but the reference that saves no memory (topk_oracle); 141 settings at the default
     compressions under both protocols (kvzip's question-agnostic only)."""
     assert default_policies() == [name for name in REGISTRY if name != "topk_oracle"]
-    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 133
+    assert len(grid_settings(default_policies(), [0.25, 0.5, 0.75, 0.9], ["agnostic", "aware"])) == 141
 
 
 def test_a_policy_with_a_budget_but_no_bound_gets_its_own_question_aware_settings() -> None:
