@@ -464,25 +464,61 @@ def render_file(path: Path, view: str | None = None) -> str:
     return _renderer(result)(result) + "\n" + _origin(result)
 
 
-_FIGURE = re.compile(r"(<!-- figure: (\S+) ([^\s:]+)(?::(\S+))? -->)(.*?)(<!-- /figure -->)", re.S)
-_STEP = re.compile(r"(\w+)(?:\[(\w+)=([^\]]+)\]|\[(-?\d+)\])?")
+_FIGURE = re.compile(
+    r"(<!-- figure: (\S+) ((?:\[[^\]\s]*\]|\{[^}\s]*\}|[^\s:\[{])+)(?::(\S+))? -->)(.*?)(<!-- /figure -->)", re.S
+)  # (a selection's value may hold a colon: [policy=snapkv:pooling=mean])
+_STEP = re.compile(r"(\w*)(?:\[(-?\d+)\]|\[(\w+=[^\]]+)\]|\{(\w+=[^}]+)\})?")
+_OUTSIDE = r"(?![^\[{]*[\]}])"  # (a character outside the brackets of a selection)
+_AGGREGATES: dict[str, Callable[[list[Any]], Any]] = {
+    "count": len, "sum": sum, "min": min, "max": max, "mean": lambda values: sum(values) / len(values)
+}  # fmt: skip
+
+
+def _where(items: list[Any], conditions: str) -> list[Any]:
+    """The elements of ``items`` whose keys read as ``conditions`` says: ``KEY=VALUE`` pairs joined by commas."""
+    pairs = [condition.split("=", 1) for condition in conditions.split(",")]
+    return [item for item in items if all(str(item[key]) == value for key, value in pairs)]
+
+
+def _path(result: Any, field: str) -> Any:
+    value = result
+    for step in re.split(r"\." + _OUTSIDE, field):
+        found = _STEP.fullmatch(step)
+        if found is None:
+            raise ValueError(f"no single value at {field!r} (at {step!r})")
+        name, index, one, every = found.groups()
+        try:
+            if name and isinstance(value, list):
+                value = _AGGREGATES[name](value) if name in _AGGREGATES else [item[name] for item in value]
+            elif name:
+                value = value[name]
+            if index is not None:
+                value = value[int(index)]
+            elif one is not None:
+                (value,) = _where(value, one)
+            elif every is not None:
+                value = _where(value, every)
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as err:
+            raise ValueError(f"no single value at {field!r} (at {step!r})") from err
+    return value
 
 
 def figure(result: Any, field: str) -> Any:
     """The value at ``field`` of a result: names joined by dots, each optionally followed by ``[KEY=VALUE]`` (the
-    one element of a list whose ``KEY`` reads ``VALUE``) or ``[INDEX]`` — ``rows[policy=h2o].ppl``. A ``ValueError``
-    naming the field where it leads nowhere."""
-    value = result
-    for step in field.split("."):
-        found = _STEP.fullmatch(step)
+    one element of a list whose ``KEY`` reads ``VALUE``) or ``[INDEX]`` — ``rows[policy=h2o].ppl``. ``[K=V,K2=V2]``
+    asks every pair of the one element; ``{K=V,...}`` keeps every element that matches, a list. A name after a list
+    reads it in each element, but ``count``, ``sum``, ``min``, ``max`` and ``mean``, which reduce the list:
+    ``rows{budget=64}.ppl.mean``. Fields joined by ``*`` or ``/`` are multiplied or divided, left to right (a ratio
+    of two figures: ``a.seconds/b.seconds``), a number after either standing for itself (``step_s*1000``: ms). A
+    ``ValueError`` naming the field where it leads nowhere."""
+    terms = re.split(r"([*/])" + _OUTSIDE, field)
+    value = _path(result, terms[0])
+    for operator, term in zip(terms[1::2], terms[2::2], strict=True):
+        other = float(term) if re.fullmatch(r"\d+(\.\d+)?", term) else _path(result, term)
         try:
-            value = value[found[1]]
-            if found[2] is not None:
-                (value,) = [item for item in value if str(item[found[2]]) == found[3]]
-            elif found[4] is not None:
-                value = value[int(found[4])]
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise ValueError(f"no single value at {field!r} (at {step!r})") from err
+            value = value * other if operator == "*" else value / other
+        except (TypeError, ZeroDivisionError) as err:
+            raise ValueError(f"no single value at {field!r} (at {operator}{term!r})") from err
     return value
 
 

@@ -126,3 +126,33 @@ def test_figure_selects_by_key_or_index_and_names_a_field_that_leads_nowhere() -
     for field in ("rows[policy=tova].ppl", "rows[2].ppl", "rows[policy=h2o].kv", "missing"):
         with pytest.raises(ValueError, match=r"no single value at"):
             figure(result, field)
+
+
+def test_figure_selects_by_several_keys_reduces_a_selection_and_divides_two_figures() -> None:
+    from kvsieve.results import figure
+
+    rows = [
+        {"task": "a", "policy": "full", "compression": 0.0, "score": 90.0, "s": 4.0},
+        {"task": "b", "policy": "full", "compression": 0.0, "score": 70.0, "s": 2.0},
+        {"task": "a", "policy": "h2o", "compression": 0.75, "score": 30.0, "s": 1.0},
+        {"task": "b", "policy": "h2o", "compression": 0.75, "score": 20.0, "s": 3.0},
+    ]
+    result = {"rows": rows}
+    assert figure(result, "rows[task=b,policy=h2o,compression=0.75].score") == 20.0  # (a value with a dot)
+    assert figure(result, "rows{policy=full}.score.mean") == 80.0
+    assert figure(rows, "{compression=0.75}.score.max") == 30.0 and figure(rows, "{task=a}.s.sum") == 5.0
+    assert figure(rows, "{policy=h2o}.count") == 2 and figure(rows, "[task=a,policy=h2o].score") == 30.0
+    assert figure(result, "rows[0].s/rows[1].s") == 2.0 and figure(result, "rows[0].s*rows[3].s/rows[1].s") == 6.0
+    assert figure(result, "rows{policy=full}.score.mean/rows{policy=h2o}.score.mean") == 3.2
+    assert figure(result, "rows[1].s*1000/rows[3].s*1.5") == 1000.0
+    nowhere = ("rows{policy=tova}.score.mean", "rows[policy=full].score", "rows[0].s/rows[4].s", "rows[0]/n", "rows[x")
+    for field in nowhere:
+        with pytest.raises(ValueError, match=r"no single value at"):
+            figure(result, field)
+
+
+def test_a_figure_selects_a_value_that_holds_a_colon_and_formats_what_follows_the_last(tmp_path) -> None:
+    rows = [{"policy": "snapkv", "score": 45.64}, {"policy": "snapkv:pooling=mean", "score": 52.61}]
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    tag = "<!-- figure: r.json [policy=snapkv:pooling=mean].score:.1f -->"
+    assert render(f"{tag}0<!-- /figure -->", tmp_path) == f"{tag}52.6<!-- /figure -->"
