@@ -82,6 +82,14 @@ token budget (the ``kept`` column shows both measured).
   and covariance without the 4 sink positions, the rotation averaged over the next 512 positions, the expected
   attention averaged over the GQA group and weighted by the value norms, the sinks kept). kvpress recomputes the
   queries from the layer's input; kvsieve takes the queries the layer attends with and un-rotates them.
+- ``snapkv:window=64,kernel=5,schedule=pyramid`` → ``PyramidKVPress`` (not run by default): SnapKV's rule under
+  PyramidKV's layer budgets, an arithmetic sequence from ``2 − 1/β`` times the mean (first layer) to ``1/β`` of it
+  (last), ``β = 20``, each layer's whole kept count (window included) on both sides. Where the first layers' shares
+  exceed the context, kvpress lowers them to the context less the window and raises the others (kvsieve keeps the
+  whole context there and holds the rest for the answer's tokens); where the last layer's share is below the window,
+  kvpress falls back to SnapKV's uniform budget and kvsieve refuses the layer budget, so the row needs ``20 × 64``
+  kept tokens. kvsieve rounds each share once (every layer at least one token, the remainder to the largest
+  fractional parts), kvpress rounds each layer's to the nearest.
 - ``full`` → no press (not run by default): the uncompressed control; both should answer alike.
 
 Other differences between the sides, for every row: kvsieve runs its own attention implementation under transformers
@@ -135,6 +143,8 @@ from kvpress_side_by_side import (  # (the sibling script: a script's directory 
 from kvpress_side_by_side import PRESS_NAMES as _PRESS_NAMES
 
 FULL = "full"
+PYRAMID = "snapkv:window=64,kernel=5,schedule=pyramid"
+"""PyramidKV's row: run when asked (its last layer's share must hold SnapKV's window: see ``MIN_KEPT``)."""
 METHODS: dict[str, str] = {
     "streaming_llm": "streaming_llm",
     "snapkv:window=64,kernel=5": "snapkv",
@@ -146,22 +156,25 @@ METHODS: dict[str, str] = {
     "kvzip": "kvzip",
     "keydiff:recent=0": "keydiff",
     "expected_attention": "expected_attention",
+    PYRAMID: "pyramidkv",
     FULL: DYNAMIC,
 }
 """kvsieve's policy spec → kvpress's press (see the module docstring)."""
-DEFAULT_METHODS = [m for m in METHODS if m != FULL]
+DEFAULT_METHODS = [m for m in METHODS if m not in (FULL, PYRAMID)]
 PRESS_NAMES = {
     **_PRESS_NAMES,
     "observed_attention": "ObservedAttentionPress",
     "expected_attention": "ExpectedAttentionPress",
     "kvzip": "KVzipPress",
     "keydiff": "KeyDiffPress",
+    "pyramidkv": "PyramidKVPress",
 }
 """Press → kvpress's class name."""
 EAGER = ("observed_attention",)
 """Presses that read the attention weights the layers return: the model runs ``eager`` attention under them."""
-MIN_KEPT = {"snapkv:window=64,kernel=5": 64, "snapkv:window=64,kernel=5,pooling=mean": 64}
-"""Rows that need more kept tokens than the default ``DEFAULT_MIN_KEPT``: SnapKV's 64-token window."""
+MIN_KEPT = {"snapkv:window=64,kernel=5": 64, "snapkv:window=64,kernel=5,pooling=mean": 64, PYRAMID: 20 * 64}
+"""Rows that need more kept tokens than the default ``DEFAULT_MIN_KEPT``: SnapKV's 64-token window (under PyramidKV's
+schedule, in the last layer, which holds 1/20 of the mean)."""
 DEFAULT_MIN_KEPT = 5
 """StreamingLLM's and ExpectedAttention's 4 sink tokens, and one more."""
 UNCOMPRESSED = (FULL, DYNAMIC)

@@ -36,15 +36,16 @@ def test_rows_map_kvsieve_specs_to_presses():
         "kvzip": "kvzip",
         "keydiff:recent=0": "keydiff",
         "expected_attention": "expected_attention",
+        "snapkv:window=64,kernel=5,schedule=pyramid": "pyramidkv",
         "full": "dynamic",
     }
     assert all(qa_driver.METHODS[m] == ruler.METHODS[m] for m in qa_driver.METHODS if m in ruler.METHODS)
-    assert list(ruler.METHODS)[:-1] == ruler.DEFAULT_METHODS  # full only when asked
+    assert list(ruler.METHODS)[:-2] == ruler.DEFAULT_METHODS  # PyramidKV's and full only when asked
     assert ruler.press_of("h2o") == "observed_attention"
     names = {ruler.PRESS_NAMES[ruler.press_of(m)] for m in ruler.METHODS}
     assert names == {
         "StreamingLLMPress", "SnapKVPress", "TOVAPress", "KnormPress", "ObservedAttentionPress", "KVzipPress",
-        "KeyDiffPress", "ExpectedAttentionPress", "DynamicCache",
+        "KeyDiffPress", "ExpectedAttentionPress", "PyramidKVPress", "DynamicCache",
     }  # fmt: skip
     assert ruler.EAGER == ("observed_attention",)
 
@@ -205,7 +206,7 @@ def test_both_sides_get_the_same_ids_budget_and_limit(real_ruler_dir, tokenizer)
     settings = _settings(real_ruler_dir, "--tasks", "niah_single_1", "--lengths", "4096")
     item = ruler.plan(settings, tokenizer)[0]
     jobs = ruler.jobs(settings, item, 0.5)
-    assert jobs["kvsieve"] == list(ruler.METHODS)[:-1]
+    assert jobs["kvsieve"] == list(ruler.METHODS)[:-2]
     assert jobs["kvpress"] == [
         "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "kvzip", "keydiff", "expected_attention"
     ]  # fmt: skip
