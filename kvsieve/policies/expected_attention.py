@@ -63,8 +63,8 @@ class ExpectedAttention(Policy):
             raise ValueError(f"expected_attention: future must be a positive number of positions, got {p.future}")
         if not 0 <= p.sinks < self.budget:
             raise ValueError(f"expected_attention: sinks must be in [0, budget={self.budget}), got {p.sinks}")
-        if p.epsilon < 0:
-            raise ValueError(f"expected_attention: epsilon must be >= 0, got {p.epsilon}")
+        if not 0 <= p.epsilon < float("inf"):
+            raise ValueError(f"expected_attention: epsilon must be a finite number >= 0, got {p.epsilon}")
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return SCORE_STATE

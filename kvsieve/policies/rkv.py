@@ -71,6 +71,8 @@ class RKV(Policy):
             raise ValueError(f"rkv: mix must be in [0, 1], got {p.mix}")
         if p.kernel < 1 or p.kernel % 2 == 0:
             raise ValueError(f"rkv: kernel must be a positive odd number, got {p.kernel}")
+        if not -1.0 <= p.threshold <= 1.0:
+            raise ValueError(f"rkv: threshold must be a cosine similarity in [-1, 1], got {p.threshold}")
 
     def state_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"logits": ((self.window,), torch.float32)}

@@ -10,12 +10,12 @@ import kvsieve
 from kvsieve.engine import slot_attention
 from kvsieve.policies import REGISTRY, Policy, resolve_spec
 
-SPECS = ["tova", "snapkv", "ahakv", "scissorhands:window=10", "tova:per_head=true", "snapkv:window=0"]
+SPECS = ["tova", "snapkv", "ahakv", "scissorhands:window=10", "tova:per_head=true", "snapkv:window=0", "rkv:window=5"]
 
 
 def test_the_policies_that_declare_it():
     declared = {name for name, cls in REGISTRY.items() if cls.observed_rows is not Policy.observed_rows}
-    assert declared == {"tova", "snapkv", "ahakv", "scissorhands"}
+    assert declared == {"tova", "snapkv", "ahakv", "scissorhands", "rkv"}
     assert REGISTRY["ahakv"](16, REGISTRY["ahakv"].Params(ra=False)).observed_rows() is None
 
 

@@ -79,3 +79,6 @@ def test_expected_attention_is_refused_where_it_cannot_read_positions(llama_gqa)
         kvsieve.make_cache(llama_gqa, "expected_attention", 8, rolling=True)
     with pytest.raises(ValueError, match="sinks must be in"):
         kvsieve.make_cache(llama_gqa, "expected_attention", 4).resolve(20)
+    for epsilon in ("nan", "inf", "-1"):
+        with pytest.raises(ValueError, match="epsilon must be a finite number >= 0"):
+            kvsieve.make_cache(llama_gqa, f"expected_attention:epsilon={epsilon}", 8).resolve(20)

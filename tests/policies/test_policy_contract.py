@@ -51,7 +51,7 @@ def test_what_the_engine_infers() -> None:
     assert {name for name, cls in REGISTRY.items() if issubclass(cls, SinkWindow)} == {"local", "streaming_llm"}
     assert {name for name, cls in REGISTRY.items() if cls.needs_attention} == {
         "h2o", "scissorhands", "ahakv", "tova", "snapkv", "topk_oracle", "h2o+strided", "h2o+fixed", "h2o+local",
-        "kvzip",
+        "kvzip", "rkv",
     }  # fmt: skip
     assert {name for name, cls in REGISTRY.items() if cls.probed} == {"kvzip"}
     assert {name for name, cls in REGISTRY.items() if cls.needs_queries} == {"expected_attention"}

@@ -88,6 +88,7 @@ def test_rkv_compresses_in_bulk_while_decoding(llama_gqa, make_ids, stream) -> N
         ("rkv:buffer=10,window=4", "buffer must be in"),
         ("rkv:mix=1.5", "mix must be in"),
         ("rkv:kernel=4", "kernel must be a positive odd number"),
+        ("rkv:threshold=nan", "threshold must be a cosine similarity"),
     ],
 )
 def test_rkv_parameters_are_checked(llama_gqa, spec, message) -> None:
