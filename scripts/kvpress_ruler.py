@@ -472,10 +472,13 @@ def run_queues(
 
 def warm_up(workers: dict[str, Any], item: Item, compression: float, methods: dict[str, Sequence[str]]) -> None:
     """Each side's ``methods`` answer once, untimed and unrecorded, on the first ``WARMUP_TOKENS`` context tokens of
-    ``item`` at compression 0.5 (the whole context at ``compression`` if it is shorter), two answer tokens: the
-    weights are paged in and first calls done before anything is measured."""
-    short = len(item.head) > WARMUP_TOKENS
-    warm = dataclasses.replace(item, head=item.head[:WARMUP_TOKENS], max_new_tokens=2)
+    ``item`` (or twice the most kept tokens a row needs, ``MIN_KEPT``) at compression 0.5 (the whole context at
+    ``compression`` if it is shorter), two answer tokens: the weights are paged in and first calls done before
+    anything is measured."""
+    need = (MIN_KEPT.get(m, DEFAULT_MIN_KEPT) for m in methods.get("kvsieve", ()))
+    tokens = max([WARMUP_TOKENS, *(2 * n for n in need)])
+    short = len(item.head) > tokens
+    warm = dataclasses.replace(item, head=item.head[:tokens], max_new_tokens=2)
     for side in SIDES:
         for method in methods.get(side, ()):
             workers[side].ask(request(warm, 0.5 if short else compression, method))
