@@ -79,16 +79,17 @@ class ExpectedAttention(Policy):
         mean = (plain * weight).sum(dim=2) / count  # [B, Hq, D]
         # R̄: the rotation averaged over the next `future` positions
         ahead = slots.last[:, None] + 1 + torch.arange(p.future, device=queries.device)  # [B, F]
-        keys = slots.keys.float().repeat_interleave(group, dim=1)  # [B, Hq, N, D]
-        logits = torch.einsum("bhnd,bhd->bhn", keys, rope.averaged(mean, ahead))  # (k · R̄μ)
-        if p.covariance:
+        keys = slots.keys.float()[:, :, None]  # [B, H, 1, N, D]: each KV head's keys, for its group's heads
+        expected_query = rope.averaged(mean, ahead).view(bsz, heads, group, dim, 1)
+        logits = (keys @ expected_query)[..., 0]  # (k · R̄μ) [B, H, G, N]
+        if p.covariance and q > 1:  # (one query has no covariance: the term is 0)
             centered = (plain - mean[:, :, None]) * weight
             cov = torch.einsum("bhnd,bhne->bhde", centered, centered) / count[..., None]
             # R̄ Σ R̄ᵀ: `averaged` turns each row (M ↦ M R̄ᵀ), so twice with a transpose between (Σ is symmetric)
             rotated = rope.averaged(rope.averaged(cov, ahead).transpose(-1, -2), ahead)
-            logits = logits + 0.5 * ((keys @ rotated) * keys).sum(dim=-1)
-        logits = logits.masked_fill((slots.pos < 0).repeat_interleave(group, dim=1), float("-inf"))
-        expected = logits.softmax(dim=-1).view(bsz, heads, group, -1).mean(dim=2)
+            logits = logits + 0.5 * ((keys @ rotated.view(bsz, heads, group, dim, dim)) * keys).sum(dim=-1)
+        logits = logits.masked_fill((slots.pos < 0)[:, :, None], float("-inf"))
+        expected = logits.softmax(dim=-1).mean(dim=2)
         if p.value_norm:
             expected = (expected + p.epsilon) * torch.linalg.vector_norm(slots.values.float(), dim=-1)
         slots.state["score"].copy_(expected)
