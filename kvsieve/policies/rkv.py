@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from kvsieve.engine.rules import drop_in_bulk
 from kvsieve.policies.base import Observation, Policy, Slots, in_position_order, protect, register
 
+ROWS = 1024
+"""Rows of the keys' similarity matrix computed at once (its memory: ``ROWS × N`` per head)."""
+
 
 @dataclass(frozen=True)
 class RKVParams:
@@ -108,13 +111,16 @@ class RKV(Policy):
 
         importance = in_position_order(slots.pos, pooled, importance.masked_fill(~older, 0.0))
         unit = F.normalize(slots.keys.float(), dim=-1) * held[..., None]
-        sim = unit @ unit.transpose(-1, -2)  # [B, H, N, N]
-        sim.diagonal(dim1=-2, dim2=-1).zero_()
-        similar = sim > p.threshold
-        newest = torch.where(similar, slots.pos[:, :, None, :], -1).amax(dim=-1, keepdim=True)  # [B, H, N, 1]
-        sim = sim.masked_fill(similar & (slots.pos[:, :, None, :] == newest), 0.0)
-        count = held.sum(dim=-1, keepdim=True).clamp(min=1)
-        mean = sim.sum(dim=2) / count  # (empty rows are zero)
+        total = unit.new_zeros(held.shape)  # [B, H, N]: each column's sum of similarities over the rows
+        for start in range(0, unit.shape[2], ROWS):  # (rows in blocks: memory ROWS × N per head, not N × N)
+            rows = slice(start, start + ROWS)
+            sim = unit[:, :, rows] @ unit.transpose(-1, -2)  # [B, H, r, N]
+            own = torch.arange(start, start + sim.shape[2], device=sim.device)
+            sim[:, :, torch.arange(sim.shape[2], device=sim.device), own] = 0.0
+            similar = sim > p.threshold
+            newest = torch.where(similar, slots.pos[:, :, None, :], -1).amax(dim=-1, keepdim=True)  # [B, H, r, 1]
+            total += sim.masked_fill(similar & (slots.pos[:, :, None, :] == newest), 0.0).sum(dim=2)
+        mean = total / held.sum(dim=-1, keepdim=True).clamp(min=1)  # (empty rows are zero)
         redundancy = mean.masked_fill(~held, float("-inf")).softmax(dim=-1)
         score = p.mix * importance - (1 - p.mix) * redundancy
         score = score.masked_fill(~held, float("-inf"))

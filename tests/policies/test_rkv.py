@@ -94,3 +94,18 @@ def test_rkv_compresses_in_bulk_while_decoding(llama_gqa, make_ids, stream) -> N
 def test_rkv_parameters_are_checked(llama_gqa, spec, message) -> None:
     with pytest.raises(ValueError, match=message):
         kvsieve.make_cache(llama_gqa, spec, 12).resolve(20)
+
+
+def test_rkv_scores_the_same_with_the_similarities_in_row_blocks(llama_gqa, make_ids, monkeypatch) -> None:
+    """The keys' similarity matrix is computed in blocks of rows (bounded memory): blocks of 7 rows keep what one
+    block keeps."""
+    from kvsieve.policies import rkv
+
+    kept = []
+    for rows in (1024, 7):
+        monkeypatch.setattr(rkv, "ROWS", rows)
+        cache = kvsieve.make_cache(llama_gqa, "rkv", 12)
+        with torch.inference_mode():
+            llama_gqa(input_ids=make_ids(2, 40), cache=cache, use_cache=True)
+        kept.append([layer.held_positions().sort(dim=-1).values for layer in cache.layers])
+    assert all(map(torch.equal, *kept))
