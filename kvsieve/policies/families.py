@@ -42,21 +42,26 @@ def scaled_probs(obs: Observation, scale: torch.Tensor) -> torch.Tensor:
     return group_sum(logits.softmax(dim=-1), obs.query_pos)
 
 
-def pooled_priority(score: torch.Tensor, pos: torch.Tensor, kernel: int, mean: bool = False) -> torch.Tensor:
-    """``[B, H, N]`` int64: each slot's max (``mean``: mean) of ``score`` over the ``kernel`` slots around it in
-    position order, equal values ordered by position (newer higher), as one integer: the pooled value's bits in the
-    high half, the position in the low half — priorities whose ties do not depend on the slot layout, with no second
-    sort. The mean divides by ``kernel`` at the ends too (the places beyond them count as 0, ``avg_pool1d``'s
-    zero padding).
-
-    ``score`` is fp32 and non-negative or ``-inf`` (summed probabilities, masked slots; a mean's masked slots are
-    0), whose bits order as the int32 they read as."""
+def pooled_in_position_order(values: torch.Tensor, pos: torch.Tensor, kernel: int, mean: bool = False) -> torch.Tensor:
+    """``[B, H, N]``: each slot's max (``mean``: mean) of ``values`` over the ``kernel`` slots around it in position
+    order (empty slots first), in slot order. The places beyond either end count as ``-inf`` for the maximum and as 0
+    for the mean, which divides by ``kernel`` there too (``max_pool1d``'s and ``avg_pool1d``'s padding)."""
 
     def pooled(ordered: torch.Tensor) -> torch.Tensor:
         pool = F.avg_pool1d if mean else F.max_pool1d
         return pool(ordered.reshape(-1, 1, ordered.shape[-1]), kernel, 1, kernel // 2).view_as(ordered)
 
-    bits = in_position_order(pos, pooled, score).view(torch.int32).long()
+    return in_position_order(pos, pooled, values)
+
+
+def pooled_priority(score: torch.Tensor, pos: torch.Tensor, kernel: int, mean: bool = False) -> torch.Tensor:
+    """``[B, H, N]`` int64: each slot's :func:`pooled_in_position_order` ``score``, equal values ordered by position
+    (newer higher), as one integer: the pooled value's bits in the high half, the position in the low half —
+    priorities whose ties do not depend on the slot layout, with no second sort.
+
+    ``score`` is fp32 and non-negative or ``-inf`` (summed probabilities, masked slots; a mean's masked slots are
+    0), whose bits order as the int32 they read as."""
+    bits = pooled_in_position_order(score, pos, kernel, mean).view(torch.int32).long()
     return (bits << 32) | pos.clamp(min=0)  # (an empty slot's -inf is the lowest anyway)
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve.engine.rules import drop_in_bulk
-from kvsieve.policies.base import Observation, Policy, Slots, in_position_order, protect, register
+from kvsieve.policies.base import Observation, Policy, Slots, protect, register
+from kvsieve.policies.families import pooled_in_position_order
 
 ROWS = 1024
 """Rows of the keys' similarity matrix computed at once (its memory: ``ROWS × N`` per head)."""
@@ -105,11 +106,7 @@ class RKV(Policy):
         older = held & (slots.pos <= slots.last[:, None, None] - self.window)
         logits = slots.state["logits"].masked_fill(~older[..., None], float("-inf"))
         importance = logits.softmax(dim=2).nan_to_num(0.0).mean(dim=-1)  # (a query that saw none gives 0)
-
-        def pooled(ordered: torch.Tensor) -> torch.Tensor:
-            return F.max_pool1d(ordered.reshape(-1, 1, ordered.shape[-1]), p.kernel, 1, p.kernel // 2).view_as(ordered)
-
-        importance = in_position_order(slots.pos, pooled, importance.masked_fill(~older, 0.0))
+        importance = pooled_in_position_order(importance.masked_fill(~older, 0.0), slots.pos, p.kernel)
         unit = F.normalize(slots.keys.float(), dim=-1) * held[..., None]
         total = unit.new_zeros(held.shape)  # [B, H, N]: each column's sum of similarities over the rows
         for start in range(0, unit.shape[2], ROWS):  # (rows in blocks: memory ROWS × N per head, not N × N)
