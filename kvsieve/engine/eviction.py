@@ -17,7 +17,7 @@ import torch
 from kvsieve.engine.compiled import compiled_victims
 from kvsieve.engine.storage import expand_index
 from kvsieve.policies import Slots
-from kvsieve.policies.base import demote
+from kvsieve.policies.base import demote, extreme
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import SieveLayer
@@ -30,6 +30,9 @@ def evict(layer: SieveLayer, slots: Slots, victim: torch.Tensor | None = None) -
     (row, head) already chosen when one goes)."""
     layer.eviction_rounds += 1
     store, policy = layer.store, layer.policy
+    if policy.allocates_heads:
+        _evict_heads(layer, slots)
+        return
     target, rows = layer.n_keep(store.used), None
     if policy.counts_rows and store.may_hold_padding:  # each row's target from its own count of tokens
         rows = [layer.n_keep(count) for count in (slots.pos[:, 0] >= 0).sum(dim=-1).tolist()]
@@ -52,6 +55,33 @@ def evict(layer: SieveLayer, slots: Slots, victim: torch.Tensor | None = None) -
             return
         store.keep(chosen)
     store.settle()
+
+
+def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
+    """Evict where each KV head keeps its own count (:meth:`~kvsieve.policies.base.Policy.share_heads`): at the
+    layer's first eviction the policy shares the budget among the heads; then each (row, head) keeps its count, by
+    the policy's priorities — one victim per (row, head), left stale, when each holds one token more, else a gather
+    (:meth:`~kvsieve.engine.storage.SlotStore.keep_heads`)."""
+    store, policy = layer.store, layer.policy
+    real = slots.pos >= 0
+    if store.counts is None:
+        target = layer.n_keep(store.used)
+        if target >= store.used:
+            return
+        keep = real[:, 0].sum(dim=-1).clamp(max=target)  # (every head holds each row's tokens until then)
+        store.keep_heads(policy.share_heads(policy.keep_scores(slots), real, keep) & real)
+        return
+    excess = real.sum(dim=-1) - store.counts
+    if not bool((excess > 0).any()):
+        return
+    scores = policy.keep_scores(slots)
+    if bool((excess == 1).all()):
+        victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True))
+        store.drop(victim.argmin(dim=-1, keepdim=True), leave_stale=True)
+        return
+    best = demote(scores, ~real).argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(best).scatter_(-1, best, torch.arange(best.shape[-1], device=best.device).expand_as(best))
+    store.keep_heads((rank < store.counts[..., None]) & real)
 
 
 def shared_decision(layer: SieveLayer, round_: Hashable, choose: Callable[[], T]) -> T:

@@ -106,15 +106,15 @@ class SieveLayer(CacheLayerMixin):
 
     def _held_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         store = self.store
-        if store.quantized:
+        if store.quantized or store.layout is not None:
             return store.decoded()
         return store.kv["keys"], store.kv["values"]
 
     def _set_held(self, name: str, value: torch.Tensor | None) -> None:
         if value is None:
             return
-        if self.store.quantized:
-            raise ValueError(f"layer {self.layer_idx} holds quantized slots: its {name} cannot be set")
+        if self.store.quantized or self.store.layout is not None:
+            raise ValueError(f"layer {self.layer_idx} holds quantized or packed slots: its {name} cannot be set")
         self.store.kv[name] = value
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -21,9 +21,11 @@ def export_layer(layer: SieveLayer) -> tuple[dict[str, torch.Tensor], dict[str, 
         raise ValueError(f"layer {layer.layer_idx} holds nothing yet")
     store = layer.store
     store.code_pending()  # (saved codes are complete: a restored layer starts with every token coded)
-    if store.stale is not None:
+    if store.stale is not None or store.layout is not None:
         store = store.copy()
-        store.compact()
+        if store.stale is not None:
+            store.compact()
+        store.unpack()
     n = store.used
     residual = {} if store.residual is None else {"residual": store.residual.kv}
     tensors = {
@@ -32,6 +34,7 @@ def export_layer(layer: SieveLayer) -> tuple[dict[str, torch.Tensor], dict[str, 
         "positions": store.positions[:, :, :n],
         "newest": layer.newest.clone(),  # (layers share it)
         **{f"state.{name}": t[:, :, :n] for name, t in store.state.items()},
+        **({} if store.counts is None else {"counts": store.counts}),
     }
     counters = {
         "tokens_seen": layer.tokens_seen,
@@ -76,6 +79,8 @@ def restore_layer(
         residual=Residual(tensors["residual"], codec.residual, past(positions)) if residual else None,
         dtype=layer.dtype,
     )
+    if "counts" in tensors:  # (heads that keep their own counts: packed again)
+        layer.store.keep_heads(positions >= 0)
     layer.newest = tensors["newest"]
     layer.tokens_seen = int(counters["tokens_seen"])
     layer.eviction_rounds = int(counters["eviction_rounds"])

@@ -64,6 +64,7 @@ def scannable(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
         and layer.limit is not None
         and not layer.policy.narrows
         and not layer.policy.needs_queries
+        and not layer.policy.allocates_heads  # (its heads' shares are chosen at an eviction of the step's)
     )
 
 

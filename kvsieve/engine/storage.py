@@ -5,12 +5,21 @@ the layer, but every (batch row, KV head) keeps its own token set: slot ``s`` of
 token at original position ``positions[b, h, s]`` (-1 = empty or padding). Per-slot state moves with its token.
 Keys and values are held as the layer's codec says (:mod:`kvsieve.engine.quant`: as they are, or quantized codes
 with their scales), in per-slot tensors that move like the rest.
+
+**Heads that keep their own counts** (:attr:`SlotStore.counts`, after :meth:`SlotStore.keep_heads`): each (row, KV
+head) keeps its own number of tokens, in slots ``0 … count`` of its head (the slots past a head's count are holes,
+position -1). Keys and values are then *packed* (:class:`HeadLayout`): ``[batch, slots of all heads, ...]``, head
+``h`` holding the most tokens any row keeps for it plus one slot for the next token, so the bytes held are the sum of
+the heads' own counts, not heads × the largest. Positions and policy state stay ``[batch, kv_heads, slots]`` (a
+scalar per slot). A step reads the keys and values as ``[batch, kv_heads, slots, ...]`` gathered from the packed
+buffers (one layer at a time); a single token per (row, head) is written into its head's own slot; a step of several
+tokens unpacks the layer (:meth:`SlotStore.unpack`) until the next :meth:`SlotStore.keep_heads` packs it again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,6 +58,44 @@ class StepKV:
         return None if self.exact is None else split(self.exact)[1]
 
 
+@dataclass(frozen=True)
+class HeadLayout:
+    """Packed slots: (row ``b``, head ``h``) has ``caps[b, h]`` slots, its slot ``s`` is packed slot
+    ``offsets[b, h] + s`` (rows and heads one after the other)."""
+
+    caps: torch.Tensor
+    """``[B, H]`` slots of each (row, head)."""
+    offsets: torch.Tensor = field(init=False)
+    indices: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        flat = self.caps.flatten()
+        object.__setattr__(self, "offsets", (flat.cumsum(0) - flat).view_as(self.caps))
+
+    def index(self, n: int) -> torch.Tensor:
+        """``[B · H · n]``: the packed slot of each (row, head)'s slots ``0 … n`` (one past its own: its last slot,
+        which a hole's position masks)."""
+        if n not in self.indices:
+            slot = torch.arange(n, device=self.caps.device)
+            self.indices[n] = (self.offsets[..., None] + torch.minimum(slot, self.caps[..., None] - 1)).flatten()
+        return self.indices[n]
+
+    def packed(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` ``[B, H, n, ...]`` (``n`` ≥ every cap) packed: ``[slots, ...]``."""
+        within = torch.arange(t.shape[2], device=t.device) < self.caps[..., None]
+        return t.flatten(0, 2)[within.flatten()]
+
+    def unpacked(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        """Packed ``t`` ``[slots, ...]`` as ``[B, H, n, ...]``."""
+        return t.index_select(0, self.index(n)).view(*self.caps.shape, n, *t.shape[1:])
+
+    def slot_index(self, slot: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The packed slots of one slot per (row, head), ``slot`` ``[B, H, 1]``, expanded over packed ``t``'s
+        trailing dimensions: ``[B · H, ...]``."""
+        index = (self.offsets + slot[:, :, 0]).flatten()
+        return index.view(-1, *([1] * (t.dim() - 1))).expand(-1, *t.shape[1:])
+
+
 @dataclass
 class SlotStore:
     """One layer's slots (see the module docstring). Eviction keeps at most ``limit`` slots allocated."""
@@ -77,6 +124,11 @@ class SlotStore:
     """The model's dtype (keys and values are read in it)."""
     step: StepKV | None = None
     """Quantized slots, during a step: the slots decoded (see :meth:`append`, :meth:`release`)."""
+    counts: torch.Tensor | None = None
+    """``[B, H]``: the tokens each (row, KV head) keeps, where heads keep their own counts (:meth:`keep_heads`);
+    None: every (row, head) keeps the layer's budget."""
+    layout: HeadLayout | None = None
+    """Where keys and values are packed (see the module docstring); None: ``[B, H, slots, ...]``."""
 
     @classmethod
     def empty(
@@ -121,7 +173,46 @@ class SlotStore:
     def decoded(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, n, D]`` of the first ``n`` slots (default: those in use), dequantized."""
         self.code_pending()
-        return self.codec.decode(self.kv, self.used if n is None else n, self.dtype)
+        n = self.used if n is None else n
+        return self.codec.decode(self.slot_kv(n), n, self.dtype)
+
+    def slot_kv(self, n: int) -> dict[str, torch.Tensor]:
+        """The key/value slot tensors ``[B, H, ≥ n, ...]`` (as the codec holds them): the buffers, or the first ``n``
+        slots gathered from packed ones."""
+        if self.layout is None:
+            return self.kv
+        return {name: self.layout.unpacked(t, n) for name, t in self.kv.items()}
+
+    def keep_heads(self, kept: torch.Tensor) -> None:
+        """Keep the slots ``kept`` ``[B, H, used]`` flags — each (row, KV head) its own count of them — in slots
+        ``0 … count`` of its head, in slot order, and pack the keys and values (see the module docstring): head ``h``
+        (row, head) its own tokens and one slot more, where its next token is written (:attr:`stale`)."""
+        if self.quantized:
+            raise ValueError("heads keeping their own counts hold plain slots (no kv_bits quantization)")
+        if self.stale is not None:
+            self.compact()
+        counts = kept.sum(dim=-1)
+        caps = counts + 1
+        width = int(caps.max())
+        order = torch.argsort((~kept).to(torch.uint8), dim=-1, stable=True)[:, :, :width]  # (kept first, in order)
+        hole = torch.arange(order.shape[2], device=order.device) >= counts[..., None]
+        dense = self.slot_kv(self.used)
+        layout = HeadLayout(caps)
+        self.kv = {
+            name: layout.packed(_widened(_gathered(t, order, order.shape[2]), width)) for name, t in dense.items()
+        }
+        positions = _gathered(self.positions, order, order.shape[2]).masked_fill_(hole, -1)
+        self.positions = _widened(positions, width, -1)
+        self.state = {name: _widened(_gathered(t, order, order.shape[2]), width) for name, t in self.state.items()}
+        self.used, self.counts, self.layout = width, counts, layout
+        self.stale = counts[..., None]  # (the first slot past each head's tokens)
+        self.may_hold_padding = True  # (the holes: every step masks them)
+
+    def unpack(self) -> None:
+        """Keys and values as ``[B, H, slots, ...]`` again (before a step that writes several tokens per head)."""
+        if self.layout is not None:
+            self.kv = {name: t.clone() for name, t in self.slot_kv(self.capacity).items()}
+            self.layout = None
 
     def view(self, last: torch.Tensor) -> Slots:
         """The policy's view of the slots in use (during a step every one holds a token or padding); ``last``:
@@ -153,6 +244,7 @@ class SlotStore:
         a slot tensor's trailing dimensions (default :func:`expand_index`)."""
         stale, ring = self.stale, self.residual
         if stale is None:
+            self.unpack()
             self.reserve(self.used + keys.shape[2])
         both = torch.cat([keys, values], dim=-1) if self.quantized else None
         single = ring is not None and newest is not None and keys.shape[2] == 1
@@ -171,15 +263,21 @@ class SlotStore:
         else:
             self.code_pending()  # (a step of several tokens reads the older ones dequantized)
             entries = self.codec.encode(keys, values) if both is None else self.codec.encode_both(both)
+        packed = self.layout is not None  # (then the stale slots' keys and values are written below)
         pairs = [
             (self.positions, positions),
             *((t, initial.get(name, 0)) for name, t in self.state.items()),
-            *((self.kv[name], entries[name]) for name in entries),
+            *((self.kv[name], entries[name]) for name in entries if not packed),
         ]
         start = None if stale is not None else self.used
         if stale is None:
             self.used += keys.shape[2]
         _put(pairs, stale, start, self.used, expand)
+        if packed:
+            for name, new in entries.items():
+                t = self.kv[name]
+                index = self.layout.slot_index(stale, t)
+                as_integers(t).scatter_(0, index, as_integers(new[:, :, 0].flatten(0, 1).to(t.dtype)))
         self.stale = None
         if both is not None:
             decoded, exact, pos = self.codec.decode_both(self.kv, self.used, self.dtype), None, self.positions
@@ -229,6 +327,7 @@ class SlotStore:
 
     def compact(self) -> None:
         """Close the stale slot by moving the last slot into it."""
+        self.unpack()
         _move_slot(self._slot_tensors(), self.used - 1, self.stale)
         self.used -= 1
         self.stale = None
@@ -239,6 +338,7 @@ class SlotStore:
         if leave_stale:
             self.stale = victim
             return
+        self.unpack()
         _move_slot(self._slot_tensors(), self.used - 1, victim)
         self.used -= 1
 
@@ -249,6 +349,7 @@ class SlotStore:
 
     def keep(self, chosen: torch.Tensor) -> None:
         """Keep only the slots ``chosen`` ``[B, H, k]`` (in slot order), gathered into buffers of ``limit`` slots."""
+        self.unpack()
         self._map(lambda t: _gathered(t, chosen, int(self.limit)))
         self.used = chosen.shape[2]
 
@@ -284,7 +385,13 @@ class SlotStore:
         """Apply a batch operation (reorder, repeat, select rows) to every buffer."""
         if self.stale is not None:
             self.compact()
+        packed = self.layout is not None
+        self.unpack()  # (packed slots have no batch dimension: mapped as [B, H, slots], packed again)
         self._map(fn)
+        if self.counts is not None:
+            self.counts = fn(self.counts)
+        if packed:
+            self.keep_heads(self.positions[:, :, : self.used] >= 0)
         if self.residual is not None:
             self.residual = self.residual.map(fn)
 
@@ -299,9 +406,12 @@ class SlotStore:
             or len({repr(store.codec) for store in stores}) != 1
         ):
             raise ValueError("only stores of the same slot limit, policy state and quantization can be joined")
+        if len({store.counts is None for store in stores}) != 1:
+            raise ValueError("a store whose heads keep their own counts joins only stores whose heads do too")
         for store in stores:
             if store.stale is not None:
                 store.compact()
+            store.unpack()
         used = max(store.used for store in stores)
         capacity = max(store.capacity for store in stores)
 
@@ -326,6 +436,7 @@ class SlotStore:
                 steps=first.residual.steps if len({store.residual.steps for store in stores}) == 1 else None,
             ),
             dtype=first.dtype,
+            counts=None if first.counts is None else torch.cat([store.counts for store in stores]),
         )
 
     def copy(self) -> SlotStore:
@@ -338,6 +449,7 @@ class SlotStore:
             stale=None if self.stale is None else self.stale.clone(),
             residual=None if self.residual is None else self.residual.map(torch.clone),
             step=None,
+            counts=None if self.counts is None else self.counts.clone(),
         )
 
     def kv_nbytes(self) -> int:
@@ -368,6 +480,11 @@ def _padded(t: torch.Tensor, capacity: int, used: int, fill: int) -> torch.Tenso
     out = t.new_full((t.shape[0], t.shape[1], capacity, *t.shape[3:]), fill)
     out[:, :, :used] = t[:, :, :used]
     return out
+
+
+def _widened(t: torch.Tensor, width: int, fill: int = 0) -> torch.Tensor:
+    """``t`` ``[B, H, n, ...]`` with slots up to ``width`` (≥ ``n``), the new ones ``fill``."""
+    return t if t.shape[2] == width else _padded(t, width, t.shape[2], fill)
 
 
 def _resized(t: torch.Tensor, capacity: int, n: int) -> torch.Tensor:

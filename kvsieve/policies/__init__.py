@@ -3,9 +3,11 @@ in :data:`MODULES` (in the order ``kvsieve policies`` lists them).
 
 Wherever a policy is named (``make_cache``, the CLI's ``--policy``/``--policies``, sweeps, lm-eval's
 ``policy=``), a *policy spec* may carry parameters: ``"ahakv:sgs=false,recent=16"`` is ``ahakv`` with those
-parameters, the key ``schedule`` sets the layer budget schedule (``"scissorhands:schedule=increasing"``) and the
-keys ``kv_bits``, ``group_size``, ``residual`` quantize the slots (``"h2o:kv_bits=4"``, see
-:mod:`kvsieve.engine.quant`), so ablations are named cells of one grid.
+parameters, the key ``schedule`` sets the layer budget schedule (``"scissorhands:schedule=increasing"``), the key
+``heads`` how a layer's budget is shared among its KV heads (``"snapkv:heads=adakv"``: AdaKV's budgets by head, with
+its parameter ``safeguard``; see :mod:`kvsieve.policies.adakv`) and the keys ``kv_bits``, ``group_size``,
+``residual`` quantize the slots (``"h2o:kv_bits=4"``, see :mod:`kvsieve.engine.quant`), so ablations are named
+cells of one grid.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from kvsieve.engine.quant import QUANT_KEYS
 from kvsieve.engine.schedules import SCHEDULES
+from kvsieve.policies.adakv import HEAD_RULES, adaptive
 from kvsieve.policies.base import REGISTRY, Asking, NoParams, Observation, Policy, Slots
 
 MODULES = (
@@ -71,15 +74,22 @@ def with_spec_keys(spec: str, keys: dict[str, Any], given_as: str = "separately"
     return join_spec(name, {**params, **keys})
 
 
-def get_policy(name: str | type[Policy]) -> type[Policy]:
-    """The policy class registered under ``name`` or named by a policy spec (a class is returned as is)."""
+def get_policy(name: str | type[Policy], heads: str | None = None) -> type[Policy]:
+    """The policy class registered under ``name`` or named by a policy spec (a class is returned as is, unless
+    ``heads`` says otherwise), with the spec's ``heads`` key (or ``heads``) applied: ``adakv`` gives
+    :func:`~kvsieve.policies.adakv.adaptive`'s class."""
     if isinstance(name, type) and issubclass(name, Policy):
-        return name
-    name = split_spec(name)[0]
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(REGISTRY)}") from None
+        cls = name
+    else:
+        name, params = split_spec(name)
+        heads = params.get("heads", heads)
+        try:
+            cls = REGISTRY[name]
+        except KeyError:
+            raise ValueError(f"unknown policy {name!r}; available: {', '.join(REGISTRY)}") from None
+    if heads not in (None, *HEAD_RULES):
+        raise ValueError(f"unknown heads rule {heads!r}; available: {', '.join(HEAD_RULES)}")
+    return adaptive(cls) if heads == "adakv" and not cls.allocates_heads else cls
 
 
 def resolve_spec(
@@ -89,13 +99,15 @@ def resolve_spec(
     (:data:`~kvsieve.engine.quant.QUANT_KEYS`, values as given) of ``policy`` (a name, a spec or a class) with
     ``policy_kwargs`` added: a key given both ways is an error; a spec's ``schedule`` replaces the default
     ``schedule``."""
-    cls = get_policy(policy)
     from_spec = split_spec(policy)[1] if isinstance(policy, str) else {}
+    kwargs = dict(policy_kwargs or {})
+    if "heads" in from_spec and "heads" in kwargs:
+        raise ValueError(f"policy parameter(s) heads given both in {policy!r} and separately")
+    cls = get_policy(policy, from_spec.pop("heads", None) or kwargs.pop("heads", None))
     if "schedule" in from_spec:
         schedule = from_spec.pop("schedule")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown layer schedule {schedule!r} in {policy!r}; available: {', '.join(SCHEDULES)}")
-    kwargs = dict(policy_kwargs or {})
     twice = sorted(from_spec.keys() & kwargs.keys())
     if twice:
         raise ValueError(f"policy parameter(s) {', '.join(twice)} given both in {policy!r} and separately")

@@ -240,6 +240,8 @@ class Policy:
     probed: ClassVar[bool] = False
     """Inferred: whether the policy overrides :meth:`probes` (it compresses a context only after passes of its
     own: a cache under it is filled by :func:`kvsieve.compress_context`)."""
+    allocates_heads: ClassVar[bool] = False
+    """Inferred: whether the policy overrides :meth:`share_heads` (its heads keep their own counts)."""
     rule_is_statement: ClassVar[bool] = True
     """Inferred: whether the class that states :meth:`scan_rule` also states, or inherits, everything its rule
     stands for (:data:`RULED`). A subclass that overrides one of them without stating its own rule is not run by
@@ -252,6 +254,7 @@ class Policy:
         cls.counts_rows = cls.n_keep is not Policy.n_keep
         cls.probed = cls.probes is not Policy.probes
         cls.needs_queries = cls.observe_queries is not Policy.observe_queries
+        cls.allocates_heads = cls.share_heads is not Policy.share_heads
         cls.rule_is_statement = _rule_is_statement(cls)
 
     def __init__(self, budget: int | None, params: Any = None) -> None:
@@ -366,6 +369,14 @@ class Policy:
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         """``[B, H, N]`` priority of each slot (higher = kept); called when a step leaves more than ``n_keep``."""
         raise NotImplementedError(f"{self.name} keeps everything: it has no priorities")
+
+    def share_heads(self, scores: torch.Tensor, real: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Override it to let each KV head keep its own count: ``[B, H, N]``, the slots kept when a row's ``keep[b]``
+        tokens per head (``H · keep[b]`` in all) are shared among its heads, from the priorities ``scores``
+        ``[B, H, N]`` of the real slots ``real``. The engine calls it at a layer's first eviction, then keeps each
+        (row, head) at its count (:meth:`~kvsieve.engine.storage.SlotStore.keep_heads`). Default: every head keeps
+        ``keep`` (not called: the layer's slots are evicted as one)."""
+        raise NotImplementedError(f"{self.name} keeps the same count in every head")
 
     def probes(self, context: Sequence[int], asking: Asking) -> list[list[int]]:
         """The token ids of the passes that score a held ``context`` (its token ids, as fed) before it is compressed,

@@ -1,0 +1,201 @@
+"""Budgets by head: AdaKV's shares (``heads=adakv``), each (row, KV head) at its own count in packed slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ASKING
+from transformers import DynamicCache
+
+import kvsieve
+from kvsieve import make_cache
+from kvsieve.policies.adakv import adakv_kept
+
+BUDGET = 12
+PROMPT = 40
+
+
+def _prompts(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randint(0, 100, (batch, PROMPT))
+
+
+def _generate(model, cache, ids, mask=None, new=8) -> torch.Tensor:
+    mask = torch.ones_like(ids) if mask is None else mask
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return out[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize("safeguard", [0.0, 0.2, 1.0])
+def test_adakv_selection_is_the_papers(safeguard):
+    """Each head keeps its ``max(1, ⌊α · keep⌋)`` best slots; the rest of the row's ``H · keep`` are the best over
+    all heads: every other kept slot scores at least every slot left."""
+    torch.manual_seed(0)
+    scores = torch.rand(3, 4, 30)
+    real = torch.rand(3, 4, 30) > 0.1
+    real[:, :, :10] = True
+    keep = torch.tensor([8, 5, 10])
+    kept = adakv_kept(scores, real, keep, safeguard)
+    assert not bool((kept & ~real).any())
+    assert kept.sum(dim=(1, 2)).tolist() == (4 * keep).tolist()
+    for b in range(3):
+        safe = max(1, int(keep[b] * safeguard)) if safeguard > 0 else 0
+        best = torch.where(real[b], scores[b], -1.0).topk(safe, dim=-1).indices if safe else None
+        rest = kept[b].clone()
+        if best is not None:
+            assert bool(kept[b].gather(-1, best).all())
+            rest.scatter_(-1, best, False)
+        if bool(rest.any()):
+            left = real[b] & ~kept[b]
+            assert float(scores[b][rest].min()) >= float(scores[b][left].max())
+
+
+def test_uniform_scores_keep_uniform_counts():
+    """With the safeguard at 1 each head keeps exactly its own best ``keep``: the uniform rule."""
+    scores = torch.rand(2, 3, 20)
+    real = torch.ones(2, 3, 20, dtype=torch.bool)
+    kept = adakv_kept(scores, real, torch.tensor([6, 6]), 1.0)
+    assert kept.sum(dim=-1).eq(6).all()
+    assert torch.equal(kept, torch.zeros_like(kept).scatter_(-1, scores.topk(6, dim=-1).indices, True))
+
+
+@pytest.mark.parametrize(
+    ("model", "policy"), [("llama_mha", "snapkv"), ("llama_gqa", "h2o"), ("llama_gqa", "expected_attention")]
+)
+def test_full_safeguard_decodes_as_the_uniform_budget(tiny_models, model, policy):
+    """``safeguard=1`` gives every head the uniform count: the packed slots, their single-slot writes and per-head
+    victims decode the same tokens as the uniform layout, in a left-padded batch."""
+    llm = tiny_models(model, torch.float32)
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    uniform = _generate(llm, make_cache(llm, policy, budget=BUDGET, kernels="torch"), ids, mask)
+    cache = make_cache(llm, f"{policy}:heads=adakv,safeguard=1", budget=BUDGET, kernels="torch")
+    assert torch.equal(_generate(llm, cache, ids, mask), uniform)
+    assert cache.layers[0].store.layout is not None
+
+
+def _held(store):
+    """Positions of the tokens each (row, head) holds (the stale slot's victim left out)."""
+    pos = store.positions[:, :, : store.used].clone()
+    if store.stale is not None:
+        pos.scatter_(2, store.stale, -1)
+    return pos
+
+
+def test_heads_hold_their_own_counts_in_their_own_bytes(llama_mha):
+    """Under AdaKV the heads keep different counts; each layer's bytes are the sum of the (row, head) counts, plus
+    one slot each for the next token, however many the largest holds; the counts hold through decoding."""
+    cache = make_cache(llama_mha, "snapkv:heads=adakv,safeguard=0", budget=BUDGET, kernels="torch")
+    ids = _prompts()
+    _generate(llama_mha, cache, ids, new=6)
+    uneven = False
+    for layer in cache.layers:
+        store = layer.store
+        counts = store.counts
+        assert counts.sum(dim=-1).tolist() == [4 * BUDGET] * 2  # (the layer's budget, shared)
+        uneven |= bool((counts != BUDGET).any())
+        assert torch.equal((_held(store) >= 0).sum(dim=-1), counts)
+        slot = 2 * store.head_dim * store.dtype.itemsize
+        assert store.kv["keys"].shape[0] == int((counts + 1).sum())
+        assert layer.kv_nbytes() == int((counts + 1).sum()) * slot
+        assert layer.kv_nbytes() < 2 * 4 * (int(counts.max()) + 1) * slot  # (not heads × the largest)
+    assert uneven
+    assert cache.kv_nbytes() == sum(layer.kv_nbytes() for layer in cache.layers)
+
+
+def test_held_keys_are_the_tokens_own(llama_mha):
+    """Every key a head holds, read from the packed slots, is the key of the token at its position: as a full cache
+    over the same tokens has it (in the first layer; in every layer for the prompt's tokens, whose keys no eviction
+    has changed yet)."""
+    cache = make_cache(llama_mha, "h2o:heads=adakv", budget=BUDGET, kernels="torch")
+    ids = _prompts()
+    new = _generate(llama_mha, cache, ids, new=5)
+    full = DynamicCache()
+    with torch.no_grad():
+        llama_mha(torch.cat([ids, new], dim=1), cache=full)
+    for i, layer in enumerate(cache.layers):
+        pos = _held(layer.store)
+        keys = layer.keys
+        reference = full.layers[i].keys
+        real = (pos >= 0) & ((pos < PROMPT) | (i == 0))
+        expected = reference.gather(2, pos.clamp(min=0)[..., None].expand_as(keys))
+        assert torch.allclose(keys[real], expected[real], atol=1e-5)
+        assert int(pos.max()) == PROMPT + 3  # (positions from 0; the last generated token is not fed)
+
+
+def test_rows_decode_as_alone(llama_mha):
+    """Shares are per row: a left-padded row decodes as it does alone."""
+    ids = _prompts()
+    short = ids[1:, 7:]
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    spec = "snapkv:heads=adakv"
+    batch = _generate(llama_mha, make_cache(llama_mha, spec, budget=BUDGET, kernels="torch"), ids, mask)
+    alone = _generate(llama_mha, make_cache(llama_mha, spec, budget=BUDGET, kernels="torch"), short)
+    first = _generate(llama_mha, make_cache(llama_mha, spec, budget=BUDGET, kernels="torch"), ids[:1])
+    assert torch.equal(batch[1:], alone)
+    assert torch.equal(batch[:1], first)
+
+
+def test_a_step_of_several_tokens_repacks(llama_mha):
+    """A step of several tokens after the shares (a question after a compressed context) unpacks the layer, and its
+    eviction packs it again, each head back at its count."""
+    cache = make_cache(llama_mha, "snapkv:heads=adakv", budget=BUDGET, kernels="torch")
+    ids = _prompts()
+    with torch.no_grad():
+        llama_mha(ids, cache=cache)
+        counts = [layer.store.counts.clone() for layer in cache.layers]
+        llama_mha(_prompts(seed=2)[:, :5], cache=cache)
+    for layer, before in zip(cache.layers, counts, strict=True):
+        assert layer.store.layout is not None
+        assert torch.equal(layer.store.counts, before)
+        assert torch.equal((_held(layer.store) >= 0).sum(dim=-1), before)
+
+
+def test_saved_and_restored(llama_mha):
+    """A saved cache whose heads keep their own counts is restored packed, and decodes the same tokens."""
+    ids = _prompts()
+    cache = make_cache(llama_mha, "snapkv:heads=adakv", budget=BUDGET, kernels="torch")
+    with torch.no_grad():
+        llama_mha(ids, cache=cache)
+    tensors, counters = cache.export()
+    restored = make_cache(llama_mha, "snapkv:heads=adakv", budget=BUDGET, kernels="torch")
+    restored.restore(tensors, counters, PROMPT)
+    assert restored.kv_nbytes() == cache.kv_nbytes()
+    step = torch.full((2, 1), 5)
+    with torch.no_grad():
+        a = llama_mha(step, cache=cache).logits
+        b = llama_mha(step, cache=restored).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    for mine, theirs in zip(cache.layers, restored.layers, strict=True):
+        assert torch.equal(mine.store.counts, theirs.store.counts)
+
+
+@pytest.mark.parametrize(
+    ("spec", "kwargs", "message"),
+    [
+        ("streaming_llm:heads=adakv", {}, "per-slot scores"),
+        ("scissorhands:heads=adakv", {}, "per-slot scores"),
+        ("full:heads=adakv", {}, "keeps everything"),
+        ("h2o:heads=adakv", {"kv_bits": 4}, "plain slots"),
+        ("h2o:heads=adakv", {"decode_budget": None}, "plain slots"),
+        ("h2o:heads=every", {}, "unknown heads rule"),
+        ("h2o:heads=adakv,safeguard=2", {}, "safeguard must be in"),
+    ],
+)
+def test_refused_before_anything_runs(llama_mha, spec, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_cache(llama_mha, spec, budget=BUDGET, **kwargs)
+
+
+def test_kvzip_shares_its_layer_budgets_by_head(llama_gqa):
+    """KVzip's selection over layers gives each layer its budget; AdaKV then shares each among the layer's heads."""
+    ids = _prompts(batch=1)
+    cache = make_cache(llama_gqa, "kvzip:heads=adakv", budget=BUDGET, kernels="torch")
+    kvsieve.compress_context(llama_gqa, cache, ids, ASKING)
+    for layer in cache.layers:
+        counts = layer.store.counts
+        assert int(counts.sum()) == counts.shape[1] * layer.policy.budget
+        assert torch.equal((_held(layer.store) >= 0).sum(dim=-1), counts)
+    assert sum(layer.policy.budget for layer in cache.layers) == len(cache.layers) * BUDGET
