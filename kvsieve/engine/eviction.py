@@ -58,30 +58,41 @@ def evict(layer: SieveLayer, slots: Slots, victim: torch.Tensor | None = None) -
 
 
 def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
-    """Evict where each KV head keeps its own count (:meth:`~kvsieve.policies.base.Policy.share_heads`): at the
-    layer's first eviction the policy shares the budget among the heads; then each (row, head) keeps its count, by
-    the policy's priorities — one victim per (row, head), left stale, when each holds one token more, else a gather
-    (:meth:`~kvsieve.engine.storage.SlotStore.keep_heads`)."""
+    """Evict where each KV head keeps its own count (:meth:`~kvsieve.policies.base.Policy.share_heads`), into
+    packed slots (:meth:`~kvsieve.engine.storage.SlotStore.keep_heads`).
+
+    The first time a row holds more than the layer's budget (its prompt, most often), the policy shares the row's
+    budget among its heads (until then each of its heads holds the row's tokens: a prompt that fits the budget is
+    not compressed); afterwards each of its (row, head) keeps its count by the policy's priorities. A step that
+    leaves each (row, head) at most one token over (and no row to share) evicts one victim per (row, head) over, left
+    stale for its next token (the others' next token goes into a free slot of theirs); otherwise one gather."""
     store, policy = layer.store, layer.policy
     real = slots.pos >= 0
-    if store.counts is None:
-        target = layer.n_keep(store.used)
-        if target >= store.used:
-            return
-        keep = real[:, 0].sum(dim=-1).clamp(max=target)  # (every head holds each row's tokens until then)
-        store.keep_heads(policy.share_heads(policy.keep_scores(slots), real, keep) & real)
+    held = real.sum(dim=-1)
+    target = layer.n_keep(store.used)
+    counts = torch.full_like(held, -1) if store.counts is None else store.counts
+    fresh = counts < 0
+    over = fresh & (held > target)  # (the heads of a row not shared yet hold the same tokens)
+    if store.counts is None and not bool(over.any()):
         return
-    excess = real.sum(dim=-1) - store.counts
-    if not bool((excess > 0).any()):
-        return
+    room = torch.where(fresh, target, counts)
+    excess = held - room
     scores = policy.keep_scores(slots)
-    if bool((excess == 1).all()):
-        victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True))
-        store.drop(victim.argmin(dim=-1, keepdim=True), leave_stale=True)
+    if store.layout is not None and bool((excess <= 1).all()) and not bool(over.any()):
+        victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(dim=-1)
+        own = torch.arange(store.used, device=real.device) <= room[..., None]  # (its room and one more)
+        free = (real | ~own).to(torch.uint8).argmin(dim=-1)  # (its first free slot)
+        store.drop(torch.where(excess == 1, victim, free)[..., None], leave_stale=True)
         return
     best = demote(scores, ~real).argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(best).scatter_(-1, best, torch.arange(best.shape[-1], device=best.device).expand_as(best))
-    store.keep_heads((rank < store.counts[..., None]) & real)
+    kept = (rank < room[..., None]) & real
+    if bool(over.any()):
+        shared = policy.share_heads(scores, real, held[:, 0].clamp(max=target)) & real
+        kept = torch.where(over[..., None], shared, kept)
+        counts = torch.where(over, shared.sum(dim=-1), counts)
+        room = torch.where(over, counts, room)
+    store.keep_heads(kept, counts, room)
 
 
 def shared_decision(layer: SieveLayer, round_: Hashable, choose: Callable[[], T]) -> T:

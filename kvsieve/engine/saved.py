@@ -80,7 +80,8 @@ def restore_layer(
         dtype=layer.dtype,
     )
     if "counts" in tensors:  # (heads that keep their own counts: packed again)
-        layer.store.keep_heads(positions >= 0)
+        counts = tensors["counts"]
+        layer.store.keep_heads(positions >= 0, counts, torch.where(counts < 0, layer.limit, counts))
     layer.newest = tensors["newest"]
     layer.tokens_seen = int(counters["tokens_seen"])
     layer.eviction_rounds = int(counters["eviction_rounds"])

@@ -125,8 +125,9 @@ class SlotStore:
     step: StepKV | None = None
     """Quantized slots, during a step: the slots decoded (see :meth:`append`, :meth:`release`)."""
     counts: torch.Tensor | None = None
-    """``[B, H]``: the tokens each (row, KV head) keeps, where heads keep their own counts (:meth:`keep_heads`);
-    None: every (row, head) keeps the layer's budget."""
+    """``[B, H]``: the tokens each (row, KV head) keeps, where heads keep their own counts (:meth:`keep_heads`; -1:
+    the row has not shared its budget among its heads yet, and each of its heads may hold the budget); None: every
+    (row, head) keeps the layer's budget."""
     layout: HeadLayout | None = None
     """Where keys and values are packed (see the module docstring); None: ``[B, H, slots, ...]``."""
 
@@ -183,19 +184,24 @@ class SlotStore:
             return self.kv
         return {name: self.layout.unpacked(t, n) for name, t in self.kv.items()}
 
-    def keep_heads(self, kept: torch.Tensor) -> None:
-        """Keep the slots ``kept`` ``[B, H, used]`` flags — each (row, KV head) its own count of them — in slots
-        ``0 … count`` of its head, in slot order, and pack the keys and values (see the module docstring): head ``h``
-        (row, head) its own tokens and one slot more, where its next token is written (:attr:`stale`)."""
+    def keep_heads(
+        self, kept: torch.Tensor, counts: torch.Tensor | None = None, room: torch.Tensor | None = None
+    ) -> None:
+        """Keep the slots ``kept`` ``[B, H, used]`` flags in slots ``0 …`` of each (row, KV head), in slot order,
+        and pack the keys and values (see the module docstring). ``counts`` ``[B, H]``: each (row, head)'s count
+        (default: its kept tokens; -1: its row has not shared its budget yet, see :attr:`counts`); ``room``: the
+        tokens each may hold (default: its count), in slots of their own and one more: its next token is written
+        into the first slot past its tokens (:attr:`stale`)."""
         if self.quantized:
             raise ValueError("heads keeping their own counts hold plain slots (no kv_bits quantization)")
         if self.stale is not None:
             self.compact()
-        counts = kept.sum(dim=-1)
-        caps = counts + 1
+        held = kept.sum(dim=-1)
+        counts = held if counts is None else counts
+        caps = (counts if room is None else room) + 1
         width = int(caps.max())
         order = torch.argsort((~kept).to(torch.uint8), dim=-1, stable=True)[:, :, :width]  # (kept first, in order)
-        hole = torch.arange(order.shape[2], device=order.device) >= counts[..., None]
+        hole = torch.arange(order.shape[2], device=order.device) >= held[..., None]
         dense = self.slot_kv(self.used)
         layout = HeadLayout(caps)
         self.kv = {
@@ -205,7 +211,7 @@ class SlotStore:
         self.positions = _widened(positions, width, -1)
         self.state = {name: _widened(_gathered(t, order, order.shape[2]), width) for name, t in self.state.items()}
         self.used, self.counts, self.layout = width, counts, layout
-        self.stale = counts[..., None]  # (the first slot past each head's tokens)
+        self.stale = held[..., None]  # (the first slot past each head's tokens)
         self.may_hold_padding = True  # (the holes: every step masks them)
 
     def unpack(self) -> None:
@@ -385,13 +391,13 @@ class SlotStore:
         """Apply a batch operation (reorder, repeat, select rows) to every buffer."""
         if self.stale is not None:
             self.compact()
-        packed = self.layout is not None
+        room = None if self.layout is None else self.layout.caps - 1
         self.unpack()  # (packed slots have no batch dimension: mapped as [B, H, slots], packed again)
         self._map(fn)
         if self.counts is not None:
             self.counts = fn(self.counts)
-        if packed:
-            self.keep_heads(self.positions[:, :, : self.used] >= 0)
+        if room is not None:
+            self.keep_heads(self.positions[:, :, : self.used] >= 0, self.counts, fn(room))
         if self.residual is not None:
             self.residual = self.residual.map(fn)
 
@@ -406,8 +412,6 @@ class SlotStore:
             or len({repr(store.codec) for store in stores}) != 1
         ):
             raise ValueError("only stores of the same slot limit, policy state and quantization can be joined")
-        if len({store.counts is None for store in stores}) != 1:
-            raise ValueError("a store whose heads keep their own counts joins only stores whose heads do too")
         for store in stores:
             if store.stale is not None:
                 store.compact()
@@ -436,7 +440,9 @@ class SlotStore:
                 steps=first.residual.steps if len({store.residual.steps for store in stores}) == 1 else None,
             ),
             dtype=first.dtype,
-            counts=None if first.counts is None else torch.cat([store.counts for store in stores]),
+            counts=None
+            if all(store.counts is None for store in stores)
+            else torch.cat([_counts(store) for store in stores]),
         )
 
     def copy(self) -> SlotStore:
@@ -480,6 +486,11 @@ def _padded(t: torch.Tensor, capacity: int, used: int, fill: int) -> torch.Tenso
     out = t.new_full((t.shape[0], t.shape[1], capacity, *t.shape[3:]), fill)
     out[:, :, :used] = t[:, :, :used]
     return out
+
+
+def _counts(store: SlotStore) -> torch.Tensor:
+    """A store's :attr:`~SlotStore.counts`, -1 (not shared yet) where it keeps none."""
+    return torch.full(store.positions.shape[:2], -1, device=store.positions.device) if store.counts is None else store.counts
 
 
 def _widened(t: torch.Tensor, width: int, fill: int = 0) -> torch.Tensor:

@@ -138,6 +138,24 @@ def test_rows_decode_as_alone(llama_mha):
     assert torch.equal(batch[:1], first)
 
 
+@pytest.mark.parametrize("short", [8, 12])
+def test_a_row_that_fits_the_budget_shares_it_when_it_grows_past(llama_gqa, short):
+    """A left-padded row whose prompt fits the budget is not compressed: each of its heads grows to the budget,
+    then the row shares it, as alone; the other row's shares are its own (float64: round-off cannot decide)."""
+    model = llama_gqa
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[1, : PROMPT - short] = 0
+    spec = "tova:heads=adakv"
+    batch_cache = make_cache(model, spec, budget=BUDGET, kernels="torch")
+    batch = _generate(model, batch_cache, ids, mask, new=10)
+    alone = _generate(model, make_cache(model, spec, budget=BUDGET, kernels="torch"), ids[1:, PROMPT - short :], new=10)
+    assert torch.equal(batch[1:], alone)
+    for layer in batch_cache.layers:
+        assert int(layer.store.counts[1].sum()) == 2 * BUDGET
+        assert torch.equal((_held(layer.store) >= 0).sum(dim=-1), layer.store.counts)
+
+
 def test_a_step_of_several_tokens_repacks(llama_mha):
     """A step of several tokens after the shares (a question after a compressed context) unpacks the layer, and its
     eviction packs it again, each head back at its count."""

@@ -15,6 +15,8 @@ POLICIES = [
     ("tova", 6, {}),
     ("local", 5, {}),
     ("knorm", 7, {}),
+    ("snapkv:heads=adakv", 6, {}),
+    ("h2o:heads=adakv", 6, {}),
     ("full", None, {}),
 ]
 
