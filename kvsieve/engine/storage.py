@@ -490,7 +490,9 @@ def _padded(t: torch.Tensor, capacity: int, used: int, fill: int) -> torch.Tenso
 
 def _counts(store: SlotStore) -> torch.Tensor:
     """A store's :attr:`~SlotStore.counts`, -1 (not shared yet) where it keeps none."""
-    return torch.full(store.positions.shape[:2], -1, device=store.positions.device) if store.counts is None else store.counts
+    if store.counts is not None:
+        return store.counts
+    return torch.full(store.positions.shape[:2], -1, device=store.positions.device)
 
 
 def _widened(t: torch.Tensor, width: int, fill: int = 0) -> torch.Tensor:
