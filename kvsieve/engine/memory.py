@@ -8,7 +8,10 @@ original position (int64) and the policy's per-slot state. The slot count follow
 (:func:`~kvsieve.engine.storage.grown_capacity`): a bounded layer never holds more than ``budget + 1`` slots
 between steps; an unbounded one (``full``) grows with the tokens fed. The prefill of a prompt longer than a bounded
 layer's slots holds the prompt in one layer at a time, until that layer's eviction gathers it into ``budget + 1``
-slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends. A policy scored by probes
+slots: the *peak* reservation adds that prompt-sized buffer, held until the prefill ends. Where the heads keep their
+own counts (``heads=adakv``) the keys and values are as many bytes, packed; positions and state have a slot axis as
+long as the largest head's, counted at its bound, one head holding the layer's whole budget (so ``steady`` bounds
+what such a cache holds, where it is exact otherwise). A policy scored by probes
 (``kvzip``) holds the prompt in every layer, and a probe's tokens besides (counted as the prompt's again), until it
 compresses.
 """
@@ -66,6 +69,8 @@ def reservation(model: PreTrainedModel, cache: SieveCache, prompt_tokens: int, m
         limit = policy.budget + 1 if policy.bounded else math.inf
         capacity = final_capacity(prompt_tokens, fed, limit)
         steady += capacity * slot + POSITION_BYTES + fixed_bytes  # (+ the row's newest position)
+        if policy.allocates_heads and fed >= limit:  # (positions and state: as many slots as its largest head)
+            steady += (kv_heads * policy.budget + 1 - capacity) * kv_heads * (POSITION_BYTES + state)
         fixed &= capacity == limit
         if prompt_tokens > limit:
             transient = max(transient, prompt_tokens * slot)

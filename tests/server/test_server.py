@@ -40,6 +40,7 @@ MIXED = [
     ("full", None, {}),
     ("tova", 0.4, {}),
     ("knorm", 16, {}),
+    ("snapkv:heads=adakv", 12, {}),  # (each head its own count: packed slots, joined and selected in batches)
 ]
 
 
@@ -223,10 +224,29 @@ def test_reservation_is_what_the_cache_holds(tiny_models, make_ids, model_name, 
         assert reserved.peak == reserved.steady
 
 
-def test_sixteen_streams_with_mixed_policies_equal_their_solo_runs_under_the_cap(serve, tiny_lm) -> None:
+@pytest.mark.parametrize("policy", ["snapkv:heads=adakv", "h2o:heads=adakv,safeguard=0"])
+def test_reservation_bounds_heads_of_their_own_counts(tiny_models, make_ids, policy) -> None:
+    """Budgets by head: the keys and values are the uniform budget's bytes exactly; positions and state are
+    bounded by one head holding the layer's budget."""
+    model = tiny_models("llama_mha", torch.float32)
+    ids = make_ids(1, 40)
+    cache = kvsieve.make_cache(model, policy, 8)
+    uniform = kvsieve.make_cache(model, policy.split(":")[0], 8)
+    reserved = reservation(model, cache, ids.shape[1], 30)
+    with torch.inference_mode():
+        for c in (cache, uniform):
+            step = ids
+            for _ in range(29):
+                step = model(step, cache=c).logits[:, -1:].argmax(-1)
+                assert c.nbytes() <= reserved.steady
+    assert cache.kv_nbytes() == uniform.kv_nbytes()
+    assert cache.state_nbytes() > uniform.state_nbytes()  # (the heads' counts differ: a longer slot axis)
+
+
+def test_streams_with_mixed_policies_equal_their_solo_runs_under_the_cap(serve, tiny_lm) -> None:
     cap = 120_000  # (bytes: a few of these requests at once, so that the others queue)
-    base = serve(kv_cap_bytes=cap, max_batch=16, max_queue=16)
     runs = [(prompt, *spec) for spec in MIXED for prompt in PROMPTS[:2]]
+    base = serve(kv_cap_bytes=cap, max_batch=len(runs), max_queue=len(runs))
     expected = [solo(tiny_lm, prompt, policy, budget, params, 24) for prompt, policy, budget, params in runs]
     seen = {"held": 0.0, "reserved": 0.0, "queued": 0.0}
 
