@@ -90,6 +90,11 @@ token budget (the ``kept`` column shows both measured).
   kvpress falls back to SnapKV's uniform budget and kvsieve refuses the layer budget, so the row needs ``20 × 64``
   kept tokens. kvsieve rounds each share once (every layer at least one token, the remainder to the largest
   fractional parts), kvpress rounds each layer's to the nearest.
+- ``snapkv:window=64,kernel=5,pooling=mean,heads=adakv`` → ``AdaKVPress`` over ``SnapKVPress``: both share each
+  layer's kept count among its KV heads by SnapKV's scores, each head first keeping its ``max(1, ⌊0.2 · kept⌋)`` best
+  (the safeguard), the rest the best over the layer's heads. kvsieve protects the window's tokens (they count in each
+  head's share), kvpress scores them at the maximum of the other scores, so ties may fall differently. kvpress masks
+  the evicted keys of a full-size cache (its ``kept`` is the context); kvsieve holds each head's own count.
 - ``full`` → no press (not run by default): the uncompressed control; both should answer alike.
 
 Other differences between the sides, for every row: kvsieve runs its own attention implementation under transformers
@@ -144,6 +149,7 @@ from kvpress_side_by_side import PRESS_NAMES as _PRESS_NAMES
 
 FULL = "full"
 PYRAMID = "snapkv:window=64,kernel=5,schedule=pyramid"
+ADAKV = "snapkv:window=64,kernel=5,pooling=mean,heads=adakv"
 """PyramidKV's row: run when asked (its last layer's share must hold SnapKV's window: see ``MIN_KEPT``)."""
 METHODS: dict[str, str] = {
     "streaming_llm": "streaming_llm",
@@ -156,6 +162,7 @@ METHODS: dict[str, str] = {
     "kvzip": "kvzip",
     "keydiff:recent=0": "keydiff",
     "expected_attention": "expected_attention",
+    ADAKV: "adakv_snapkv",
     PYRAMID: "pyramidkv",
     FULL: DYNAMIC,
 }
@@ -168,11 +175,17 @@ PRESS_NAMES = {
     "kvzip": "KVzipPress",
     "keydiff": "KeyDiffPress",
     "pyramidkv": "PyramidKVPress",
+    "adakv_snapkv": "AdaKVPress",
 }
 """Press → kvpress's class name."""
 EAGER = ("observed_attention",)
 """Presses that read the attention weights the layers return: the model runs ``eager`` attention under them."""
-MIN_KEPT = {"snapkv:window=64,kernel=5": 64, "snapkv:window=64,kernel=5,pooling=mean": 64, PYRAMID: 20 * 64}
+MIN_KEPT = {
+    "snapkv:window=64,kernel=5": 64,
+    "snapkv:window=64,kernel=5,pooling=mean": 64,
+    ADAKV: 64,
+    PYRAMID: 20 * 64,
+}
 """Rows that need more kept tokens than the default ``DEFAULT_MIN_KEPT``: SnapKV's 64-token window (under PyramidKV's
 schedule, in the last layer, which holds 1/20 of the mean)."""
 DEFAULT_MIN_KEPT = 5
@@ -607,7 +620,10 @@ def kvpress_answer(model: Any, command: dict[str, Any]) -> dict[str, Any]:
     method, ratio = command["method"], command["compression"]
     if method != DYNAMIC and method not in PRESS_NAMES:
         raise ValueError(f"unknown press {method!r}; expected one of {', '.join(PRESS_NAMES)}")
-    press = None if method == DYNAMIC else getattr(kvpress, PRESS_NAMES[method])(compression_ratio=ratio)
+    if method == "adakv_snapkv":  # (AdaKV over SnapKV, at the ratio of the press it wraps)
+        press = kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio))
+    else:
+        press = None if method == DYNAMIC else getattr(kvpress, PRESS_NAMES[method])(compression_ratio=ratio)
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=load_tokenizer(model))
     head, tail = command["context_ids"], command["question_ids"]
     context, question, prefix = command["text"]

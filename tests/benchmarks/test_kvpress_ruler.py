@@ -36,6 +36,7 @@ def test_rows_map_kvsieve_specs_to_presses():
         "kvzip": "kvzip",
         "keydiff:recent=0": "keydiff",
         "expected_attention": "expected_attention",
+        "snapkv:window=64,kernel=5,pooling=mean,heads=adakv": "adakv_snapkv",
         "snapkv:window=64,kernel=5,schedule=pyramid": "pyramidkv",
         "full": "dynamic",
     }
@@ -45,7 +46,7 @@ def test_rows_map_kvsieve_specs_to_presses():
     names = {ruler.PRESS_NAMES[ruler.press_of(m)] for m in ruler.METHODS}
     assert names == {
         "StreamingLLMPress", "SnapKVPress", "TOVAPress", "KnormPress", "ObservedAttentionPress", "KVzipPress",
-        "KeyDiffPress", "ExpectedAttentionPress", "PyramidKVPress", "DynamicCache",
+        "KeyDiffPress", "ExpectedAttentionPress", "AdaKVPress", "PyramidKVPress", "DynamicCache",
     }  # fmt: skip
     assert ruler.EAGER == ("observed_attention",)
 
@@ -208,7 +209,8 @@ def test_both_sides_get_the_same_ids_budget_and_limit(real_ruler_dir, tokenizer)
     jobs = ruler.jobs(settings, item, 0.5)
     assert jobs["kvsieve"] == list(ruler.METHODS)[:-2]
     assert jobs["kvpress"] == [
-        "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "kvzip", "keydiff", "expected_attention"
+        "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "kvzip", "keydiff", "expected_attention",
+        "adakv_snapkv",
     ]  # fmt: skip
     sent = {side: ruler.request(item, 0.5, jobs[side][1]) for side in ("kvsieve", "kvpress")}
     assert sent["kvsieve"]["method"] == "snapkv:window=64,kernel=5" and sent["kvpress"]["method"] == "snapkv"
