@@ -78,7 +78,7 @@ def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
     room = torch.where(fresh, target, counts)
     excess = held - room
     scores = policy.keep_scores(slots)
-    if store.layout is not None and bool((excess <= 1).all()) and not bool(over.any()):
+    if store.layout is not None and bool((excess.max() <= 1) & ~over.any()):  # (one read on the host)
         victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(dim=-1)
         own = torch.arange(store.used, device=real.device) <= room[..., None]  # (its room and one more)
         free = (real | ~own).to(torch.uint8).argmin(dim=-1)  # (its first free slot)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import ASKING
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 
 import kvsieve
 from kvsieve import make_cache
@@ -122,6 +124,53 @@ def test_held_keys_are_the_tokens_own(llama_mha):
         expected = reference.gather(2, pos.clamp(min=0)[..., None].expand_as(keys))
         assert torch.allclose(keys[real], expected[real], atol=1e-5)
         assert int(pos.max()) == PROMPT + 3  # (positions from 0; the last generated token is not fed)
+
+
+def _only(allowed: list[torch.Tensor]):
+    """An attention function over a full cache that lets each layer's heads see only ``allowed[layer]``
+    ``[B, H_kv, keys]``: the statement of attention under per-head budgets, eager and unfused."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        group = query.shape[1] // key.shape[1]
+        keys, values = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        logits = (query @ keys.transpose(-1, -2)) * scaling
+        seen = allowed[module.layer_idx].repeat_interleave(group, 1)[:, :, None, : keys.shape[2]]
+        return (logits.masked_fill(~seen, float("-inf")).softmax(-1) @ values).transpose(1, 2), None
+
+    return attention
+
+
+@pytest.mark.parametrize("spec", ["snapkv:heads=adakv,safeguard=0", "h2o:heads=adakv"])
+def test_each_head_attends_to_its_own_tokens(llama_gqa, spec):
+    """Decode steps over the packed slots give the logits of a full cache whose heads each see only the tokens
+    kvsieve holds for them (and the new token), layer by layer, in a batch."""
+    ids = _prompts()
+    cache = make_cache(llama_gqa, spec, budget=BUDGET, kernels="torch")
+    reference = copy.deepcopy(llama_gqa)
+    reference.set_attn_implementation("sdpa")
+    full = DynamicCache()
+    allowed: list[torch.Tensor] = []
+    AttentionInterface.register("kvsieve_test_heads", _only(allowed))
+    with torch.no_grad():
+        llama_gqa(ids, cache=cache)
+        reference(ids, cache=full)
+        reference.set_attn_implementation("kvsieve_test_heads")
+        for step in range(4):
+            seen = PROMPT + step
+            allowed[:] = [
+                torch.zeros(*held.shape[:2], seen + 1, dtype=torch.long).scatter_add_(
+                    2, held.clamp(min=0), (held >= 0).long()
+                )
+                > 0
+                for held in (layer.held_positions() for layer in cache.layers)
+            ]
+            for mask in allowed:
+                mask[:, :, seen] = True  # (the new token)
+            token = torch.tensor([[7 + step], [20 + step]])
+            got = llama_gqa(token, cache=cache).logits
+            want = reference(token, cache=full).logits
+            assert torch.allclose(got, want, atol=1e-5), step
+    assert any(bool((layer.store.counts != BUDGET).any()) for layer in cache.layers)
 
 
 def test_rows_decode_as_alone(llama_mha):
