@@ -7,13 +7,13 @@ Keys and values are held as the layer's codec says (:mod:`kvsieve.engine.quant`:
 with their scales), in per-slot tensors that move like the rest.
 
 **Heads that keep their own counts** (:attr:`SlotStore.counts`, after :meth:`SlotStore.keep_heads`): each (row, KV
-head) keeps its own number of tokens, in slots ``0 … count`` of its head (the slots past a head's count are holes,
-position -1). Keys and values are then *packed* (:class:`HeadLayout`): ``[batch, slots of all heads, ...]``, head
-``h`` holding the most tokens any row keeps for it plus one slot for the next token, so the bytes held are the sum of
-the heads' own counts, not heads × the largest. Positions and policy state stay ``[batch, kv_heads, slots]`` (a
-scalar per slot). A step reads the keys and values as ``[batch, kv_heads, slots, ...]`` gathered from the packed
-buffers (one layer at a time); a single token per (row, head) is written into its head's own slot; a step of several
-tokens unpacks the layer (:meth:`SlotStore.unpack`) until the next :meth:`SlotStore.keep_heads` packs it again.
+head) keeps its own number of tokens, in its first slots (the slots past them are holes, position -1). Keys and
+values are then *packed* (:class:`HeadLayout`): ``[slots of all rows and heads, ...]``, each (row, head) holding its
+count plus one slot for its next token, so the bytes held are the sum of the heads' own counts, not heads × the
+largest. Positions and policy state stay ``[batch, kv_heads, slots]`` (a scalar or two per slot). A step reads the
+keys and values as ``[batch, kv_heads, slots, ...]`` gathered from the packed buffers (one layer at a time); a single
+token per (row, head) is written into its own slot; a step of several tokens unpacks the layer
+(:meth:`SlotStore.unpack`) until the next :meth:`SlotStore.keep_heads` packs it again.
 """
 
 from __future__ import annotations
