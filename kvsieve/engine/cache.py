@@ -98,10 +98,10 @@ class SieveCache(Cache):
             raise UnsupportedModelError(
                 f"{type(model).__name__} has sliding layers but no sliding_window in its config"
             )
-        if policy.allocates_heads and (quant is not None or rolling or decode_budget != SAME):
+        if policy.allocates_heads and (quant is not None or rolling):
             raise ValueError(
-                f"{policy.name}: heads keeping their own counts hold plain slots at the budget (no kv_bits "
-                "quantization, position rolling or decode_budget)"
+                f"{policy.name}: heads keeping their own counts hold plain slots (no kv_bits quantization or "
+                "position rolling)"
             )
         layers = [(policy, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
         takes_budget = policy.takes_budget()

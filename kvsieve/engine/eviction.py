@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from kvsieve.engine.compiled import compiled_victims
-from kvsieve.engine.storage import expand_index
+from kvsieve.engine.storage import GROWTH, expand_index
 from kvsieve.policies import Slots
 from kvsieve.policies.base import demote, extreme
 
@@ -63,9 +63,11 @@ def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
 
     The first time a row holds more than the layer's budget (its prompt, most often), the policy shares the row's
     budget among its heads (until then each of its heads holds the row's tokens: a prompt that fits the budget is
-    not compressed); afterwards each of its (row, head) keeps its count by the policy's priorities. A step that
-    leaves each (row, head) at most one token over (and no row to share) evicts one victim per (row, head) over, left
-    stale for its next token (the others' next token goes into a free slot of theirs); otherwise one gather."""
+    not compressed); afterwards each of its (row, head) keeps its count, plus what the decode budget lets every head
+    grow by, by the policy's priorities. A step that leaves each (row, head) at most one token over, or a free slot of
+    its own (and no row to share), evicts one victim per (row, head) over, left stale for its next token (the
+    others' next token goes into their free slot); otherwise one gather, with room for what the (row, head) may hold
+    (without bound: :data:`~kvsieve.engine.storage.GROWTH` more)."""
     store, policy = layer.store, layer.policy
     real = slots.pos >= 0
     held = real.sum(dim=-1)
@@ -75,24 +77,27 @@ def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
     over = fresh & (held > target)  # (the heads of a row not shared yet hold the same tokens)
     if store.counts is None and not bool(over.any()):
         return
-    room = torch.where(fresh, target, counts)
-    excess = held - room
+    limit = layer.limit  # (None: no bound now, every token kept)
+    most = held if limit is None else torch.where(fresh, target, counts + (limit - policy.budget))
+    excess = held - most
     scores = policy.keep_scores(slots)
-    if store.layout is not None and bool((excess.max() <= 1) & ~over.any()):  # (one read on the host)
-        victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(dim=-1)
-        own = torch.arange(store.used, device=real.device) <= room[..., None]  # (its room and one more)
-        free = (real | ~own).to(torch.uint8).argmin(dim=-1)  # (its first free slot)
-        store.drop(torch.where(excess == 1, victim, free)[..., None], leave_stale=True)
-        return
+    if store.layout is not None:
+        free = held < store.layout.caps
+        if bool((~over.any()) & ((excess == 1) | ((excess <= 0) & free)).all()):  # (one read on the host)
+            victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(dim=-1)
+            own = torch.arange(store.used, device=real.device) < store.layout.caps[..., None]
+            first_free = (real | ~own).to(torch.uint8).argmin(dim=-1)
+            store.drop(torch.where(excess == 1, victim, first_free)[..., None], leave_stale=True)
+            return
     best = demote(scores, ~real).argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(best).scatter_(-1, best, torch.arange(best.shape[-1], device=best.device).expand_as(best))
-    kept = (rank < room[..., None]) & real
+    kept = (rank < most[..., None]) & real
     if bool(over.any()):
         shared = policy.share_heads(scores, real, held[:, 0].clamp(max=target)) & real
         kept = torch.where(over[..., None], shared, kept)
         counts = torch.where(over, shared.sum(dim=-1), counts)
-        room = torch.where(over, counts, room)
-    store.keep_heads(kept, counts, room)
+        most = torch.where(over, counts, most)
+    store.keep_heads(kept, counts, most if limit is not None else kept.sum(dim=-1) + GROWTH)
 
 
 def shared_decision(layer: SieveLayer, round_: Hashable, choose: Callable[[], T]) -> T:

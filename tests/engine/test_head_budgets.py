@@ -205,6 +205,22 @@ def test_a_row_that_fits_the_budget_shares_it_when_it_grows_past(llama_gqa, shor
         assert torch.equal((_held(layer.store) >= 0).sum(dim=-1), layer.store.counts)
 
 
+@pytest.mark.parametrize("growth", [4, None])
+def test_each_head_grows_by_the_decode_budget(llama_mha, growth):
+    """With a decode budget each (row, head) may hold its share plus the growth (``decode_budget=None``: every
+    token after the prompt is kept), in packed slots of its own."""
+    decode_budget = None if growth is None else BUDGET + growth
+    cache = make_cache(llama_mha, "snapkv:heads=adakv", budget=BUDGET, decode_budget=decode_budget, kernels="torch")
+    new = 9
+    _generate(llama_mha, cache, _prompts(), new=new)
+    for layer in cache.layers:
+        store = layer.store
+        grown = store.counts + (new - 1 if growth is None else growth)
+        assert torch.equal((_held(store) >= 0).sum(dim=-1), grown)
+        if growth is not None:
+            assert layer.kv_nbytes() == int((grown + 1).sum()) * 2 * store.head_dim * store.dtype.itemsize
+
+
 def test_a_step_of_several_tokens_repacks(llama_mha):
     """A step of several tokens after the shares (a question after a compressed context) unpacks the layer, and its
     eviction packs it again, each head back at its count."""
@@ -246,7 +262,6 @@ def test_saved_and_restored(llama_mha):
         ("scissorhands:heads=adakv", {}, "per-slot scores"),
         ("full:heads=adakv", {}, "keeps everything"),
         ("h2o:heads=adakv", {"kv_bits": 4}, "plain slots"),
-        ("h2o:heads=adakv", {"decode_budget": None}, "plain slots"),
         ("h2o:heads=every", {}, "unknown heads rule"),
         ("h2o:heads=adakv,safeguard=2", {}, "safeguard must be in"),
     ],
