@@ -75,6 +75,9 @@ token budget (the ``kept`` column shows both measured).
   keeps the same count per KV head and layer (the authors' uniform head budgets) and normalises each probe's
   attention over the whole held context; kvpress's default selects over all heads and layers at once and keeps the
   others as masks (see its own docstring for its normalisation). The probe requests are the authors' on both sides.
+- ``kvzip:heads=adakv,safeguard=0`` → ``KVzipPress`` as well: kvsieve's KVzip with its selection over heads as well
+  as layers, as kvpress's (each layer's share rounded to whole tokens per head; kvsieve holds each head's own count,
+  kvpress masks a full-size cache).
 - ``keydiff:recent=0`` → ``KeyDiffPress``: both keep the keys least like the mean unit key, nothing protected
   (kvsieve's default protects a recent window); kvsieve compares the similarities at float16 resolution, equal ones
   keeping the newer token.
@@ -160,6 +163,7 @@ METHODS: dict[str, str] = {
     "h2o": "observed_attention",
     "h2o:recent=0,normalize=true": "observed_attention",
     "kvzip": "kvzip",
+    "kvzip:heads=adakv,safeguard=0": "kvzip",
     "keydiff:recent=0": "keydiff",
     "expected_attention": "expected_attention",
     ADAKV: "adakv_snapkv",

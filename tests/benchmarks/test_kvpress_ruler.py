@@ -34,6 +34,7 @@ def test_rows_map_kvsieve_specs_to_presses():
         "h2o": "observed_attention",
         "h2o:recent=0,normalize=true": "observed_attention",
         "kvzip": "kvzip",
+        "kvzip:heads=adakv,safeguard=0": "kvzip",
         "keydiff:recent=0": "keydiff",
         "expected_attention": "expected_attention",
         "snapkv:window=64,kernel=5,pooling=mean,heads=adakv": "adakv_snapkv",
