@@ -98,11 +98,8 @@ class SieveCache(Cache):
             raise UnsupportedModelError(
                 f"{type(model).__name__} has sliding layers but no sliding_window in its config"
             )
-        if policy.allocates_heads and (quant is not None or rolling):
-            raise ValueError(
-                f"{policy.name}: heads keeping their own counts hold plain slots (no kv_bits quantization or "
-                "position rolling)"
-            )
+        if policy.allocates_heads and rolling:
+            raise ValueError(f"{policy.name}: heads keeping their own counts are not rolled (no position rolling)")
         layers = [(policy, params, None) if t == "full_attention" else (Local, NoParams(), window - 1) for t in types]
         takes_budget = policy.takes_budget()
         plan = PolicyPlan(layers, budget if takes_budget else None, weights if takes_budget else None, decode_budget)

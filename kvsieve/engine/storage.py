@@ -192,8 +192,6 @@ class SlotStore:
         (default: its kept tokens; -1: its row has not shared its budget yet, see :attr:`counts`); ``room``: the
         tokens each may hold (default: its count), in slots of their own and one more: its next token is written
         into the first slot past its tokens (:attr:`stale`)."""
-        if self.quantized:
-            raise ValueError("heads keeping their own counts hold plain slots (no kv_bits quantization)")
         if self.stale is not None:
             self.compact()
         held = kept.sum(dim=-1)
@@ -286,7 +284,11 @@ class SlotStore:
                 as_integers(t).scatter_(0, index, as_integers(new[:, :, 0].flatten(0, 1).to(t.dtype)))
         self.stale = None
         if both is not None:
-            decoded, exact, pos = self.codec.decode_both(self.kv, self.used, self.dtype), None, self.positions
+            decoded, exact, pos = (
+                self.codec.decode_both(self.slot_kv(self.used), self.used, self.dtype),
+                None,
+                self.positions,
+            )
             if single:
                 ring.write(both, positions)  # (safe first: it replaces a position no query reads now)
                 ring.restore_exact(decoded, pos[:, :, : self.used], newest)  # (the tokens without codes among them)
@@ -306,7 +308,7 @@ class SlotStore:
         if ring is None:
             return
         with torch.inference_mode():  # (also when a saved context is exported: codes are never differentiated)
-            pos, held = self.positions[:, :, : self.used], self.kv["codes"][:, :, : self.used]
+            pos, held = self.positions[:, :, : self.used], self.slot_kv(self.used)["codes"][:, :, : self.used]
             if upto is None:  # (every held token: those to come are newer than the newest held)
                 upto = past(pos) if self.used else ring.coded
                 every = True
@@ -316,7 +318,11 @@ class SlotStore:
                 return  # (nothing pending: the usual case of a step of several)
             pending = (pos >= ring.coded[:, None, None]) & (pos < upto[:, None, None])
             coded = self.codec.encode_both(ring.kv)["codes"].flatten(0, 2).index_select(0, ring.rows(pos))
-            held.copy_(torch.where(pending[..., None], coded.view_as(held), held))
+            held = torch.where(pending[..., None], coded.view_as(held), held)
+            if self.layout is None:
+                self.kv["codes"][:, :, : self.used] = held
+            else:  # (packed: the codes packed again, as the layout holds them)
+                self.kv["codes"] = self.layout.packed(held)
             ring.coded = torch.maximum(ring.coded, upto)
             ring.steps = 0 if every else None
 

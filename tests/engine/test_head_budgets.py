@@ -62,18 +62,29 @@ def test_uniform_scores_keep_uniform_counts():
 
 
 @pytest.mark.parametrize(
-    ("model", "policy"), [("llama_mha", "snapkv"), ("llama_gqa", "h2o"), ("llama_gqa", "expected_attention")]
+    ("model", "policy"),
+    [
+        ("llama_mha", "snapkv"),
+        ("llama_gqa", "h2o"),
+        ("llama_gqa", "expected_attention"),
+        ("llama_gqa", "snapkv:kv_bits=4,group_size=8,residual=4"),
+        ("llama_mha", "h2o:kv_bits=8,group_size=8"),
+    ],
 )
 def test_full_safeguard_decodes_as_the_uniform_budget(tiny_models, model, policy):
-    """``safeguard=1`` gives every head the uniform count: the packed slots, their single-slot writes and per-head
-    victims decode the same tokens as the uniform layout, in a left-padded batch."""
+    """``safeguard=1`` gives every head the uniform count: the packed slots (plain or quantized), their single-slot
+    writes and per-head victims decode the same tokens as the uniform layout, in a left-padded batch, in as many
+    bytes."""
     llm = tiny_models(model, torch.float32)
     ids = _prompts()
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    uniform = _generate(llm, make_cache(llm, policy, budget=BUDGET, kernels="torch"), ids, mask)
-    cache = make_cache(llm, f"{policy}:heads=adakv,safeguard=1", budget=BUDGET, kernels="torch")
+    reference = make_cache(llm, policy, budget=BUDGET, kernels="torch")
+    uniform = _generate(llm, reference, ids, mask)
+    name, _, params = policy.partition(":")
+    cache = make_cache(llm, f"{name}:heads=adakv,safeguard=1,{params}".rstrip(","), budget=BUDGET, kernels="torch")
     assert torch.equal(_generate(llm, cache, ids, mask), uniform)
+    assert cache.kv_nbytes() == reference.kv_nbytes()
     assert cache.layers[0].store.layout is not None
 
 
@@ -236,14 +247,15 @@ def test_a_step_of_several_tokens_repacks(llama_mha):
         assert torch.equal((_held(layer.store) >= 0).sum(dim=-1), before)
 
 
-def test_saved_and_restored(llama_mha):
+@pytest.mark.parametrize("spec", ["snapkv:heads=adakv", "snapkv:heads=adakv,kv_bits=4,group_size=8,residual=4"])
+def test_saved_and_restored(llama_mha, spec):
     """A saved cache whose heads keep their own counts is restored packed, and decodes the same tokens."""
     ids = _prompts()
-    cache = make_cache(llama_mha, "snapkv:heads=adakv", budget=BUDGET, kernels="torch")
+    cache = make_cache(llama_mha, spec, budget=BUDGET, kernels="torch")
     with torch.no_grad():
         llama_mha(ids, cache=cache)
     tensors, counters = cache.export()
-    restored = make_cache(llama_mha, "snapkv:heads=adakv", budget=BUDGET, kernels="torch")
+    restored = make_cache(llama_mha, spec, budget=BUDGET, kernels="torch")
     restored.restore(tensors, counters, PROMPT)
     assert restored.kv_nbytes() == cache.kv_nbytes()
     step = torch.full((2, 1), 5)
@@ -261,7 +273,7 @@ def test_saved_and_restored(llama_mha):
         ("streaming_llm:heads=adakv", {}, "per-slot scores"),
         ("scissorhands:heads=adakv", {}, "per-slot scores"),
         ("full:heads=adakv", {}, "keeps everything"),
-        ("h2o:heads=adakv", {"kv_bits": 4}, "plain slots"),
+        ("h2o:heads=adakv", {"rolling": True}, "position rolling"),
         ("h2o:heads=every", {}, "unknown heads rule"),
         ("h2o:heads=adakv,safeguard=2", {}, "safeguard must be in"),
     ],

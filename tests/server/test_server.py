@@ -5,6 +5,7 @@ output of every request must be ``kvsieve.generate``'s with the same policy and 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -224,14 +225,17 @@ def test_reservation_is_what_the_cache_holds(tiny_models, make_ids, model_name, 
         assert reserved.peak == reserved.steady
 
 
-@pytest.mark.parametrize("policy", ["snapkv:heads=adakv", "h2o:heads=adakv,safeguard=0"])
+@pytest.mark.parametrize(
+    "policy",
+    ["snapkv:heads=adakv", "h2o:heads=adakv,safeguard=0", "h2o:heads=adakv,safeguard=0,kv_bits=4,group_size=8"],
+)
 def test_reservation_bounds_heads_of_their_own_counts(tiny_models, make_ids, policy) -> None:
     """Budgets by head: the keys and values are the uniform budget's bytes exactly; positions and state are
     bounded by one head holding the layer's budget."""
     model = tiny_models("llama_mha", torch.float32)
     ids = make_ids(1, 40)
     cache = kvsieve.make_cache(model, policy, 8)
-    uniform = kvsieve.make_cache(model, policy.split(":")[0], 8)
+    uniform = kvsieve.make_cache(model, re.sub(r"heads=adakv,?|safeguard=0,?", "", policy).rstrip(",:"), 8)
     reserved = reservation(model, cache, ids.shape[1], 30)
     with torch.inference_mode():
         for c in (cache, uniform):
