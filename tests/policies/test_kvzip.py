@@ -84,6 +84,28 @@ def test_kvzip_shares_the_budget_among_layers_by_one_selection(llama_gqa, make_i
     assert cache.kv_nbytes() == uniform.kv_nbytes()  # (the same slots in all: moved between layers)
 
 
+def test_kvzip_selects_over_heads_and_layers_with_budgets_by_head(llama_gqa, make_ids) -> None:
+    """``heads=adakv,safeguard=0``: one selection over every head of every layer. Each layer keeps its share of the
+    model's top scores (rounded to whole tokens per head), its heads the layer's best that many, each (head) its own
+    count in real memory."""
+    ids, budget = make_ids(1, 40), 10
+    reference = _reference_scores(llama_gqa, ids, KVzip(budget).probes(ids[0].tolist(), ASKING))
+    cache = kvsieve.make_cache(llama_gqa, "kvzip:heads=adakv,safeguard=0", budget, decode_budget=None)
+    kvsieve.compress_context(llama_gqa, cache, ids, ASKING)
+    flat = torch.cat([scores.flatten() for scores in reference])
+    threshold = flat.topk(3 * budget * 2).values[-1]
+    uneven = False
+    for layer, expected in zip(cache.layers, reference, strict=True):
+        kept = layer.held_positions()[0]
+        best = expected[0].flatten().topk(2 * layer.policy.budget).indices
+        chosen = torch.zeros(2 * 40, dtype=torch.bool).scatter_(0, best, True).view(2, 40)
+        for head in range(2):
+            assert torch.equal(kept[head][kept[head] >= 0].sort().values, chosen[head].nonzero().flatten())
+        assert abs(int(chosen.sum()) - int((expected >= threshold).sum())) <= 2
+        uneven |= bool(chosen.sum(dim=-1).unique().numel() > 1)
+    assert uneven and sum(cache.budgets) == 3 * budget
+
+
 def test_kvzip_probes_quote_the_chunk_before() -> None:
     policy = KVzip(5, KVzipParams(chunk=4, overlap=2))
     probes = policy.probes(list(range(100, 110)), ASKING)
