@@ -50,12 +50,14 @@ class KVzip(Policy):
       ``L · budget`` highest scores of the model (per row and KV head) are taken, and each layer keeps its share of
       them, the average over its heads, each head its own top that many — the budget moves between layers in real
       memory. The paper's default selects over heads too (a global threshold: heads of one layer keep different
-      counts), which kvsieve's slots, the same count for every head of a layer, do not hold yet. In a batch the
-      shares are chosen over all its rows together (its rows then keep what they would not alone). ``layers="each"``:
-      every layer keeps the budget (the authors' "uniform" head budgets). Measured on Qwen2.5-Coder-0.5B, RULER at
-      4,096 tokens, a quarter kept, question-agnostic: on ``niah_multikey_2`` #0–1 and ``niah_single_3`` #0,
-      ``each`` answered none, ``shared`` all three (as kvpress's ``KVzipPress``); the shares are far from even (one
-      sample: from 15 tokens in a layer to 3,924 of 4,063).
+      counts): that is ``kvzip:heads=adakv,safeguard=0`` (each layer's share then shared among its heads with no
+      floor, each head its own count in real memory; :mod:`kvsieve.policies.adakv`), which on RULER samples kept
+      more answers than one count per head and answered as kvpress's ``KVzipPress`` (``docs/results/ruler.md``). In
+      a batch the shares are chosen over all its rows together (its rows then keep what they would not alone).
+      ``layers="each"``: every layer keeps the budget (the authors' "uniform" head budgets). Measured on
+      Qwen2.5-Coder-0.5B, RULER at 4,096 tokens, a quarter kept, question-agnostic: on ``niah_multikey_2`` #0–1 and
+      ``niah_single_3`` #0, ``each`` answered none, ``shared`` all three (as kvpress's ``KVzipPress``); the shares
+      are far from even (one sample: from 15 tokens in a layer to 3,924 of 4,063).
     - **The probabilities are the model's own**: a softmax over every held token and the probe's own, as the layer's
       forward pass attends. The authors' code normalises the scores of a chunk over the sink tokens, that chunk and
       the probe only (each chunk then scores against itself).
