@@ -79,9 +79,9 @@ def restore_layer(
         residual=Residual(tensors["residual"], codec.residual, past(positions)) if residual else None,
         dtype=layer.dtype,
     )
-    if "counts" in tensors:  # (heads that keep their own counts: packed again)
-        counts = tensors["counts"]
-        layer.store.keep_heads(positions >= 0, counts, torch.where(counts < 0, layer.limit, counts))
+    if "counts" in tensors:  # (heads that keep their own counts: packed again, each with room for what it holds)
+        held = positions >= 0
+        layer.store.keep_heads(held, tensors["counts"], held.sum(dim=-1))
     layer.newest = tensors["newest"]
     layer.tokens_seen = int(counters["tokens_seen"])
     layer.eviction_rounds = int(counters["eviction_rounds"])

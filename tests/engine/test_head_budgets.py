@@ -137,6 +137,15 @@ def test_held_keys_are_the_tokens_own(llama_mha):
         assert int(pos.max()) == PROMPT + 3  # (positions from 0; the last generated token is not fed)
 
 
+def _positions_held(layer, seen: int) -> torch.Tensor:
+    """``[B, H, seen]``: whether each (row, head) holds the token at each position."""
+    held = layer.held_positions()
+    counted = torch.zeros(*held.shape[:2], seen, dtype=torch.long).scatter_add_(
+        2, held.clamp(min=0), (held >= 0).long()
+    )
+    return counted > 0
+
+
 def _only(allowed: list[torch.Tensor]):
     """An attention function over a full cache that lets each layer's heads see only ``allowed[layer]``
     ``[B, H_kv, keys]``: the statement of attention under per-head budgets, eager and unfused."""
@@ -168,13 +177,7 @@ def test_each_head_attends_to_its_own_tokens(llama_gqa, spec):
         reference.set_attn_implementation("kvsieve_test_heads")
         for step in range(4):
             seen = PROMPT + step
-            allowed[:] = [
-                torch.zeros(*held.shape[:2], seen + 1, dtype=torch.long).scatter_add_(
-                    2, held.clamp(min=0), (held >= 0).long()
-                )
-                > 0
-                for held in (layer.held_positions() for layer in cache.layers)
-            ]
+            allowed[:] = [_positions_held(layer, seen + 1) for layer in cache.layers]
             for mask in allowed:
                 mask[:, :, seen] = True  # (the new token)
             token = torch.tensor([[7 + step], [20 + step]])
@@ -265,6 +268,26 @@ def test_saved_and_restored(llama_mha, spec):
     assert torch.allclose(a, b, atol=1e-5)
     for mine, theirs in zip(cache.layers, restored.layers, strict=True):
         assert torch.equal(mine.store.counts, theirs.store.counts)
+
+
+@pytest.mark.parametrize("decode_budget", [BUDGET + 4, None])
+def test_saved_while_growing_and_restored(llama_mha, decode_budget):
+    """Saved after decode steps that grew each head past its share (a decode budget, or none), a cache is restored
+    with every token it held, and decodes the same logits as the one saved, step after step."""
+    ids = _prompts()
+    caches = [make_cache(llama_mha, "snapkv:heads=adakv", BUDGET, decode_budget=decode_budget) for _ in range(2)]
+    with torch.no_grad():
+        llama_mha(ids, cache=caches[0])
+        for t in range(3):
+            llama_mha(torch.full((2, 1), 5 + t), cache=caches[0])
+        caches[1].restore(*caches[0].export(), PROMPT)
+        for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):
+            assert torch.equal(_positions_held(mine, PROMPT + 3), _positions_held(theirs, PROMPT + 3))
+            assert torch.equal(mine.store.counts, theirs.store.counts)
+        for t in range(6):
+            step = torch.full((2, 1), 9 + t)
+            a, b = (llama_mha(step, cache=cache).logits for cache in caches)
+            assert torch.allclose(a, b, atol=1e-5), t
 
 
 @pytest.mark.parametrize(
