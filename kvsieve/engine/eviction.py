@@ -17,7 +17,7 @@ import torch
 from kvsieve.engine.compiled import compiled_victims
 from kvsieve.engine.storage import GROWTH, expand_index
 from kvsieve.policies import Slots
-from kvsieve.policies.base import demote, extreme
+from kvsieve.policies.base import best_of, demote, extreme
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import SieveLayer
@@ -89,9 +89,7 @@ def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
             first_free = (real | ~own).to(torch.uint8).argmin(dim=-1)
             store.drop(torch.where(excess == 1, victim, first_free)[..., None], leave_stale=True)
             return
-    best = demote(scores, ~real).argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(best).scatter_(-1, best, torch.arange(best.shape[-1], device=best.device).expand_as(best))
-    kept = (rank < most[..., None]) & real
+    kept = best_of(demote(scores, ~real), most) & real
     if bool(over.any()):
         shared = policy.share_heads(scores, real, held[:, 0].clamp(max=target)) & real
         kept = torch.where(over[..., None], shared, kept)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kvsieve.policies.base import Policy, demote, protect
+from kvsieve.policies.base import Policy, best_of, demote, protect
 
 HEAD_RULES = ("uniform", "adakv")
 """The values of a policy spec's ``heads`` key: every KV head keeps the layer's budget (``uniform``, the default),
@@ -25,13 +25,10 @@ def adakv_kept(scores: torch.Tensor, real: torch.Tensor, keep: torch.Tensor, saf
     the rest of the row's tokens are the best ``scores`` ``[B, H, N]`` over all its heads at once, so that a head
     whose attention is concentrated gives its budget to the heads whose attention is spread. Only ``real`` slots are
     kept."""
-    heads, n = scores.shape[1], scores.shape[2]
     score = demote(scores, ~real)  # (in the policy's own dtype: an integer priority's ties stay broken)
     safe = (keep.double() * safeguard).floor().long().clamp(min=1 if safeguard > 0 else 0).minimum(keep)
-    order = score.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
-    score = protect(score, (rank < safe[:, None, None]) & real)
-    total = heads * keep
+    score = protect(score, best_of(score, safe[:, None]) & real)
+    total = scores.shape[1] * keep
     best = score.flatten(1).topk(int(total.max()), dim=-1).indices
     chosen = torch.arange(best.shape[1], device=best.device) < total[:, None]
     kept = torch.zeros_like(real).flatten(1).scatter_(1, best, chosen)

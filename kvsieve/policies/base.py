@@ -534,6 +534,14 @@ def demote(priority: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, extreme(priority.dtype, priority.device, highest=False), priority)
 
 
+def best_of(priority: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]``: the ``counts`` highest ``priority`` slots of each (row, head) (``counts`` ``[B, H]``, or
+    broadcasting to it), ties to the lower slot."""
+    order = priority.argsort(dim=-1, descending=True, stable=True)
+    first = torch.arange(priority.shape[-1], device=priority.device) < counts[..., None]
+    return torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order, first.expand_as(order))
+
+
 def in_position_order(pos: torch.Tensor, fn: Callable[..., torch.Tensor], *values: torch.Tensor) -> torch.Tensor:
     """``fn`` applied to ``values`` (``[B, H, N]`` each) laid out in position order along the slots (empty slots
     first), its ``[B, H, N]`` result put back in slot order: for rules over neighbouring positions."""
