@@ -278,10 +278,12 @@ class SlotStore:
             self.used += keys.shape[2]
         _put(pairs, stale, start, self.used, expand)
         if packed:
+            index = {}  # (the stale slots' packed index, once per shape: keys and values share theirs)
             for name, new in entries.items():
                 t = self.kv[name]
-                index = self.layout.slot_index(stale, t)
-                as_integers(t).scatter_(0, index, as_integers(new[:, :, 0].flatten(0, 1).to(t.dtype)))
+                if t.shape[1:] not in index:
+                    index[t.shape[1:]] = self.layout.slot_index(stale, t)
+                as_integers(t).scatter_(0, index[t.shape[1:]], as_integers(new[:, :, 0].flatten(0, 1).to(t.dtype)))
         self.stale = None
         if both is not None:
             decoded, exact, pos = (
@@ -308,7 +310,7 @@ class SlotStore:
         if ring is None:
             return
         with torch.inference_mode():  # (also when a saved context is exported: codes are never differentiated)
-            pos, held = self.positions[:, :, : self.used], self.slot_kv(self.used)["codes"][:, :, : self.used]
+            pos = self.positions[:, :, : self.used]
             if upto is None:  # (every held token: those to come are newer than the newest held)
                 upto = past(pos) if self.used else ring.coded
                 every = True
@@ -316,6 +318,7 @@ class SlotStore:
                 every = ring.steps is not None
             if ring.steps == 0 or (ring.steps is None and not bool((upto > ring.coded).any())):
                 return  # (nothing pending: the usual case of a step of several)
+            held = self.slot_kv(self.used)["codes"][:, :, : self.used]  # (gathered only when some are pending)
             pending = (pos >= ring.coded[:, None, None]) & (pos < upto[:, None, None])
             coded = self.codec.encode_both(ring.kv)["codes"].flatten(0, 2).index_select(0, ring.rows(pos))
             held = torch.where(pending[..., None], coded.view_as(held), held)
