@@ -106,14 +106,14 @@ class SieveLayer(CacheLayerMixin):
 
     def _held_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         store = self.store
-        if store.quantized or store.layout is not None:
+        if not store.direct:
             return store.decoded()
         return store.kv["keys"], store.kv["values"]
 
     def _set_held(self, name: str, value: torch.Tensor | None) -> None:
         if value is None:
             return
-        if self.store.quantized or self.store.layout is not None:
+        if not self.store.direct:
             raise ValueError(f"layer {self.layer_idx} holds quantized or packed slots: its {name} cannot be set")
         self.store.kv[name] = value
 

@@ -168,6 +168,12 @@ class SlotStore:
         return isinstance(self.codec, KVQuant)  # (a deep copy of a cache copies PLAIN too)
 
     @property
+    def direct(self) -> bool:
+        """Whether the buffers ``kv["keys"]`` and ``kv["values"]`` are the keys and values ``[B, H, slots, D]``
+        themselves (neither quantized nor packed)."""
+        return not self.quantized and self.layout is None
+
+    @property
     def head_dim(self) -> int:
         return self.codec.head_dim(self.kv)
 
