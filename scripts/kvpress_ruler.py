@@ -152,8 +152,9 @@ from kvpress_side_by_side import PRESS_NAMES as _PRESS_NAMES
 
 FULL = "full"
 PYRAMID = "snapkv:window=64,kernel=5,schedule=pyramid"
-ADAKV = "snapkv:window=64,kernel=5,pooling=mean,heads=adakv"
 """PyramidKV's row: run when asked (its last layer's share must hold SnapKV's window: see ``MIN_KEPT``)."""
+ADAKV = "snapkv:window=64,kernel=5,pooling=mean,heads=adakv"
+"""AdaKV's row, over SnapKV's rule as kvpress states it (pooled by the mean)."""
 METHODS: dict[str, str] = {
     "streaming_llm": "streaming_llm",
     "snapkv:window=64,kernel=5": "snapkv",
