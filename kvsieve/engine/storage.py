@@ -190,19 +190,16 @@ class SlotStore:
             return self.kv
         return {name: self.layout.unpacked(t, n) for name, t in self.kv.items()}
 
-    def keep_heads(
-        self, kept: torch.Tensor, counts: torch.Tensor | None = None, room: torch.Tensor | None = None
-    ) -> None:
+    def keep_heads(self, kept: torch.Tensor, counts: torch.Tensor, room: torch.Tensor) -> None:
         """Keep the slots ``kept`` ``[B, H, used]`` flags in slots ``0 …`` of each (row, KV head), in slot order,
         and pack the keys and values (see the module docstring). ``counts`` ``[B, H]``: each (row, head)'s count
-        (default: its kept tokens; -1: its row has not shared its budget yet, see :attr:`counts`); ``room``: the
-        tokens each may hold (default: its count), in slots of their own and one more: its next token is written
-        into the first slot past its tokens (:attr:`stale`)."""
+        (-1: its row has not shared its budget yet, see :attr:`counts`); ``room`` ``[B, H]``: the tokens each may
+        hold (at least those kept), in slots of their own and one more: its next token is written into the first
+        slot past its tokens (:attr:`stale`)."""
         if self.stale is not None:
             self.compact()
         held = kept.sum(dim=-1)
-        counts = held if counts is None else counts
-        caps = (counts if room is None else room) + 1
+        caps = room + 1
         width = int(caps.max())
         order = torch.argsort((~kept).to(torch.uint8), dim=-1, stable=True)[:, :, :width]  # (kept first, in order)
         hole = torch.arange(order.shape[2], device=order.device) >= held[..., None]
