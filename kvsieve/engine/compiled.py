@@ -34,11 +34,15 @@ _KERNELS: list = []
 """Every kernel :func:`jit` compiled (what :func:`compilations` counts)."""
 
 
-def jit(function: Callable) -> Callable:
-    """``function`` compiled by numba (cached on disk, without the GIL), or as it is without numba."""
+def jit(function: Callable | None = None, *, fastmath: bool = False) -> Callable:
+    """``function`` compiled by numba (cached on disk, without the GIL), or as it is without numba; ``@jit(fastmath=
+    True)``: its floating-point sums may be reordered (vectorized), for products that, like torch's matmuls,
+    equal their statement within rounding."""
+    if function is None:
+        return lambda f: jit(f, fastmath=fastmath)
     if numba is None:
         return function
-    kernel = numba.njit(cache=True, nogil=True)(function)
+    kernel = numba.njit(cache=True, nogil=True, fastmath=fastmath)(function)
     _KERNELS.append(kernel)
     return kernel
 
@@ -75,8 +79,9 @@ def _pattern_kept(
 def _position_order(pos: np.ndarray, b: int, h: int, last: int, ranked: np.ndarray, repair: bool) -> None:
     """``ranked`` = the slots of row ``b``, head ``h`` in position order (empty slots first). With ``repair``,
     ``ranked`` holds the order of the decode step before (whose victim's slot now holds the newest position,
-    ``last``): that order without the slot, the slot last, where this is the position order (checked: every slot
-    once, positions increasing); else, and for anything else it holds, a sort: O(n), not O(n log n), at a step."""
+    ``last``): that order without the slot, the slot last, where this is the position order (checked:
+    positions increasing, the empty slots first); else, and for anything else it holds, a sort: O(n), not O(n log n),
+    at a step."""
     n = pos.shape[2]
     if repair:
         w, newest = 0, -1
@@ -92,8 +97,9 @@ def _position_order(pos: np.ndarray, b: int, h: int, last: int, ranked: np.ndarr
         if w == n - 1 and newest >= 0:
             ranked[w] = newest
             ordered = True
-            for r in range(1, n):  # (strictly increasing: each slot once, as positions are distinct)
-                if pos[b, h, ranked[r]] <= pos[b, h, ranked[r - 1]]:
+            for r in range(1, n):  # (increasing, strictly but among empty slots: each held slot once)
+                now, before = pos[b, h, ranked[r]], pos[b, h, ranked[r - 1]]
+                if now <= before and not (now < 0 and before < 0):
                     ordered = False
                     break
             if ordered:

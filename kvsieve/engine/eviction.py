@@ -31,7 +31,7 @@ def evict(layer: SieveLayer, slots: Slots, victim: torch.Tensor | None = None) -
     layer.eviction_rounds += 1
     store, policy = layer.store, layer.policy
     if policy.allocates_heads:
-        _evict_heads(layer, slots)
+        _evict_heads(layer, slots, victim)
         return
     target, rows = layer.n_keep(store.used), None
     if policy.counts_rows and store.may_hold_padding:  # each row's target from its own count of tokens
@@ -57,7 +57,7 @@ def evict(layer: SieveLayer, slots: Slots, victim: torch.Tensor | None = None) -
     store.settle()
 
 
-def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
+def _evict_heads(layer: SieveLayer, slots: Slots, lowest: torch.Tensor | None = None) -> None:
     """Evict where each KV head keeps its own count (:meth:`~kvsieve.policies.base.Policy.share_heads`), into
     packed slots (:meth:`~kvsieve.engine.storage.SlotStore.keep_heads`).
 
@@ -66,8 +66,9 @@ def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
     not compressed); afterwards each of its (row, head) keeps its count, plus what the decode budget lets every head
     grow by, by the policy's priorities. A step that leaves each (row, head) at most one token over, or a free slot of
     its own (and no row to share), evicts one victim per (row, head) over, left stale for its next token (the
-    others' next token goes into their free slot); otherwise one gather, with room for what the (row, head) may hold
-    (without bound: :data:`~kvsieve.engine.storage.GROWTH` more)."""
+    others' next token goes into their free slot; ``lowest`` ``[B, H, 1]``: each (row, head)'s lowest slot, if a
+    compiled decode step chose it); otherwise one gather, with room for what the (row, head) may hold (without
+    bound: :data:`~kvsieve.engine.storage.GROWTH` more)."""
     store, policy = layer.store, layer.policy
     real = slots.pos >= 0
     held = real.sum(dim=-1)
@@ -80,15 +81,19 @@ def _evict_heads(layer: SieveLayer, slots: Slots) -> None:
     limit = layer.limit  # (None: no bound now, every token kept)
     most = held if limit is None else torch.where(fresh, target, counts + (limit - policy.budget))
     excess = held - most
-    scores = policy.keep_scores(slots)
     if store.layout is not None:
         free = held < store.layout.caps
         if bool((~over.any()) & ((excess == 1) | ((excess <= 0) & free)).all()):  # (one read on the host)
-            victim = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(dim=-1)
+            if lowest is None:
+                scores = policy.keep_scores(slots)
+                lowest = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(-1)
+            else:
+                lowest = lowest[..., 0].to(real.device)
             own = torch.arange(store.used, device=real.device) < store.layout.caps[..., None]
             first_free = (real | ~own).to(torch.uint8).argmin(dim=-1)
-            store.drop(torch.where(excess == 1, victim, first_free)[..., None], leave_stale=True)
+            store.drop(torch.where(excess == 1, lowest, first_free)[..., None], leave_stale=True)
             return
+    scores = policy.keep_scores(slots)
     kept = best_of(demote(scores, ~real), most) & real
     if bool(over.any()):
         shared = policy.share_heads(scores, real, held[:, 0].clamp(max=target)) & real

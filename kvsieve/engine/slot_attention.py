@@ -23,7 +23,9 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from kvsieve.engine.packed import packed_logits, packed_output
 from kvsieve.engine.quant import recent
+from kvsieve.engine.storage import PackedView
 from kvsieve.policies.base import Observation, group_sum, visible_slots
 
 # Elements of one fp32 block of attention logits ([B, Hq, rows, N]); queries are processed in row blocks so
@@ -326,3 +328,45 @@ def observed_attention(
             mask = _everything(query.device).expand(bsz, n_kv_heads, b, cols) if seen.all_visible else allowed
             observe(Observation(summed, logits, qp, step_rows or q_len, key_pos=kp, window=args.window, mask=mask))
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)), all_weights
+
+
+def packed_attention(
+    query: torch.Tensor,
+    view: PackedView,
+    query_pos: torch.Tensor,
+    scaling: float,
+    decide: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, T]],
+) -> tuple[torch.Tensor, T]:
+    """A decode step's attention (``query`` ``[B, Hq, 1, D]``: a real token per row; no window, soft-capping, sinks or
+    probabilities returned) over packed slots read where they lie (:mod:`kvsieve.engine.packed`): the gathered
+    slots' products, masked as :func:`visible` masks them, the probabilities from ``decide(logits, allowed)`` →
+    ``(probs, decision)`` (logits and probabilities ``[B, Hkv, G, 1, N]``, allowed ``[B, Hkv, 1, N]``). Returns the
+    output ``[B, Hq, 1, D]`` and the decision."""
+    bsz, n_q_heads, _, head_dim = query.shape
+    store, pos = view.store, view.pos
+    n_kv_heads, width = pos.shape[1], pos.shape[2]
+    group = n_q_heads // n_kv_heads
+    precision = torch.promote_types(query.dtype, torch.float32)
+    q_fold = (query * scaling).reshape(bsz * n_kv_heads, group, head_dim)
+    logits = packed_logits(q_fold, store.kv["keys"], store.layout, width).to(precision)
+    logits = logits.view(bsz, n_kv_heads, group, 1, width)
+    allowed = visible_slots(pos, query_pos)
+    probs, decision = decide(logits.masked_fill_(~allowed[:, :, None], float("-inf")), allowed)
+    out = packed_output(probs.view(bsz * n_kv_heads, group, width), store.kv["values"], store.layout)
+    return out.view(bsz, n_q_heads, 1, head_dim), decision
+
+
+def observing(
+    observe: Callable[[Observation], None] | None, key_pos: torch.Tensor, query_pos: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, None]]:
+    """What :func:`packed_attention` decides with when the policy's torch code observes (``observe``; None: nothing
+    observes): the softmax, observed as :func:`observed_attention` observes a step's one row (slots at ``key_pos``
+    ``[B, Hkv, N]``, queries at ``query_pos`` ``[B, 1]``)."""
+
+    def decide(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, None]:
+        probs = logits.softmax(dim=-1)
+        if observe is not None:
+            observe(Observation(group_sum(probs, query_pos), logits, query_pos, 1, key_pos=key_pos, mask=allowed))
+        return probs, None
+
+    return decide

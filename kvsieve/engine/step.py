@@ -10,13 +10,15 @@ in one compiled call (:func:`~kvsieve.engine.compiled.compiled_decode`) where th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from kvsieve.engine.compiled import compiled_decode, decodes_by_rule
 from kvsieve.engine.eviction import evict, expand_stale, ranked_buffer, victims_buffer
+from kvsieve.engine.packed import reads_packed
 from kvsieve.engine.rope import ranks
 from kvsieve.engine.rules import ScoreRule
 from kvsieve.engine.slot_attention import (
@@ -26,12 +28,17 @@ from kvsieve.engine.slot_attention import (
     decided_attention,
     fused_attention,
     observed_attention,
+    observing,
+    packed_attention,
 )
+from kvsieve.engine.storage import PackedView
 from kvsieve.engine.stream import chunk_positions
 from kvsieve.policies import Slots
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import SieveLayer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -115,7 +122,8 @@ def store_chunk(
         padding is not None,
         lambda stale, t: expand_stale(layer, stale, t),
     )
-    return store.view(layer.newest), query_pos, start
+    packed = q == 1 and layer.kernels and reads_packed(store)  # (read where they lie: see _attend)
+    return store.view(layer.newest, gather=not packed), query_pos, start
 
 
 def _attend(
@@ -133,6 +141,10 @@ def _attend(
     q = chunk.keys.shape[2]
     if policy.needs_queries and (layer.limit is not None or layer.probing):
         observe_queries(layer, slots, chunk.query, query_pos, args.scaling)
+    plain = chunk.padding is None and not (args.window or args.explicit or chunk.query.requires_grad)
+    if isinstance(slots, PackedView) and plain:  # (a decode step over packed slots: see store_chunk)
+        out, victim = _attend_packed(layer, chunk.query, slots, query_pos, args)
+        return out, None, victim
     keys, values, query, exact = slots.keys, slots.values, chunk.query, None
     if q > 1 and store.step is not None and store.step.exact is not None:
         # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
@@ -158,7 +170,9 @@ def _attend(
         and layer.kernels
         and decodes_by_rule(policy.compiled_rule, keys.device)
     ):
-        decided = _decide_by_rule(layer, query, keys, values, slots, args)
+        decided = _decide_by_rule(
+            layer, slots, query, lambda decide: decided_attention(query, keys, values, args.scaling, decide)
+        )
         if decided is not None:
             return decided[0], None, decided[1]
     narrows = policy.narrows and keys.shape[2] > q  # (it narrows the slots of earlier steps: are there any?)
@@ -193,37 +207,50 @@ def observe_queries(
     layer.policy.observe_queries(slots, grouped, query_pos, layer.rope)
 
 
+def _attend_packed(
+    layer: SieveLayer, query: torch.Tensor, slots: PackedView, query_pos: torch.Tensor, args: AttentionArgs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step over packed slots read where they lie (:func:`packed_attention`), observed by the policy's
+    rule in one compiled call where it states one (:func:`_decide_by_rule`), else by its torch code: the output and
+    the victim per (row, head) when the rule chose it."""
+    policy = layer.policy
+    observes = layer.observes and policy.observed_rows() != 0
+
+    def attend(decide: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]):
+        return packed_attention(query, slots, query_pos, args.scaling, lambda logits, _: decide(logits[:, :, :, 0]))
+
+    if observes and decodes_by_rule(policy.compiled_rule, query.device):
+        decided = _decide_by_rule(layer, slots, query, attend)
+        if decided is not None:
+            return decided
+    observe = (lambda obs: policy.observe(slots, obs)) if observes else None
+    return packed_attention(query, slots, query_pos, args.scaling, observing(observe, slots.pos, query_pos))
+
+
 def _decide_by_rule(
     layer: SieveLayer,
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
     slots: Slots,
-    args: AttentionArgs,
+    query: torch.Tensor,
+    attend: Callable[[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]], tuple[torch.Tensor, T]],
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """A decode step over real slots whose observation (and victim) the policy states as a rule
-    (:func:`compiled_decode`: a ``ScoreRule``'s score and victim, ``LowMarks``' marks in one compiled call). Returns
-    the output and the victim (None when no single slot goes or the policy chooses it); None where that does not
-    apply (autograd; a policy that observes none of the step's rows) and the step attends, observes and chooses in
-    torch."""
+    """A decode step over real slots (or packed ones: holes masked) whose observation (and victim) the policy states
+    as a rule (:func:`compiled_decode`: a ``ScoreRule``'s score and victim, ``LowMarks``' marks in one compiled
+    call), attended by ``attend(decide)`` (:func:`decided_attention`, :func:`packed_attention`). Returns the output
+    and the victim (None when no single slot goes or the policy chooses it; over packed slots, each (row, head)'s
+    lowest, whether it goes or not); None where that does not apply (autograd; a policy that observes none of the
+    step's rows) and the step attends, observes and chooses in torch."""
     if query.requires_grad or layer.policy.observed_rows() == 0:
         return None
     used, rule = layer.store.used, layer.policy.compiled_rule
-    will_evict = layer.n_keep(used) == used - 1
-    victims = victims_buffer(layer, keys)
+    will_evict = isinstance(slots, PackedView) or layer.n_keep(used) == used - 1
+    victims = victims_buffer(layer, slots.pos)
     scale = None
     if isinstance(rule, ScoreRule) and rule.gain:  # (made once for the layers of equal gains)
         scale = layer.memo.derive(
             ("logit_scale", rule.gain), slots.last, lambda: rule.logit_scale(slots.last[:, None])[:, 0]
         )
     ranked = ranked_buffer(layer, slots.pos) if isinstance(rule, ScoreRule) and rule.pool else None
-    out, ruled = decided_attention(
-        query,
-        keys,
-        values,
-        args.scaling,
-        lambda logits: compiled_decode(rule, logits, slots, will_evict, victims, scale, ranked),
-    )
+    out, ruled = attend(lambda logits: compiled_decode(rule, logits, slots, will_evict, victims, scale, ranked))
     return out, victims if will_evict and ruled is not None else None
 
 

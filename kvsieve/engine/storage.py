@@ -221,9 +221,12 @@ class SlotStore:
             self.kv = {name: t.clone() for name, t in self.slot_kv(self.capacity).items()}
             self.layout = None
 
-    def view(self, last: torch.Tensor) -> Slots:
+    def view(self, last: torch.Tensor, gather: bool = True) -> Slots:
         """The policy's view of the slots in use (during a step every one holds a token or padding); ``last``:
-        each row's newest position. Quantized slots are seen as by the newest token: exact within the residual."""
+        each row's newest position. Quantized slots are seen as by the newest token: exact within the residual.
+        ``gather=False``: packed plain slots are seen as a :class:`PackedView` (keys and values gathered when read)."""
+        if not gather and self.layout is not None and not self.quantized:
+            return PackedView(self, last)
         if self.step is None:
             keys, values = self.decoded()
         elif self.step.exact is None:
@@ -562,3 +565,29 @@ def _move_slot(tensors: Iterable[torch.Tensor], src: int, dst: torch.Tensor) -> 
     for t in tensors:
         t = as_integers(t)
         t.scatter_(2, expand_index(dst, t), t[:, :, src : src + 1].clone())  # the source must not alias the destination
+
+
+class PackedView(Slots):
+    """The view of packed plain slots (:class:`HeadLayout`) whose keys and values ``[B, H, N, D]`` are gathered
+    when first read: a decode step that reads them where they lie (:mod:`kvsieve.engine.packed`) copies nothing,
+    a policy that reads keys or values gets them as from any view."""
+
+    def __init__(self, store: SlotStore, last: torch.Tensor) -> None:
+        n = store.used
+        self.pos, self.last, self.store = store.positions[:, :, :n], last, store
+        self.state = {name: t[:, :, :n] for name, t in store.state.items()}
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.gathered()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.gathered()[1]
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[B, H, N, D]`` (gathered once)."""
+        if self.kv is None:
+            self.kv = self.store.decoded()
+        return self.kv

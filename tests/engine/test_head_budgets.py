@@ -328,3 +328,73 @@ def test_compiled_loops_before_the_shares_change_nothing(llama_gqa, prompt):
         for kernels in ("torch", "auto")
     ]
     assert torch.equal(*tokens)
+
+
+@pytest.mark.parametrize(
+    ("model", "spec", "dtype"),
+    [
+        ("llama_gqa", "snapkv:heads=adakv", torch.float32),
+        ("llama_mha", "h2o:heads=adakv,safeguard=0", torch.float32),
+        ("llama_gqa", "expected_attention:heads=adakv", torch.float32),
+        ("llama_gqa", "h2o:heads=adakv", torch.float64),
+    ],
+)
+def test_decode_steps_read_packed_slots_where_they_lie(tiny_models, monkeypatch, model, spec, dtype):
+    """On the CPU with the compiled loops, a decode step attends the packed slots where they lie, gathering no
+    head to the largest's width (but for a policy that reads keys or values), and decodes the tokens of the
+    gathered slots' torch code, in a left-padded batch."""
+    from kvsieve.engine import step
+    from kvsieve.engine.storage import HeadLayout
+
+    llm = tiny_models(model, dtype)
+    ids = _prompts()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    reference = _generate(llm, make_cache(llm, spec, budget=BUDGET, kernels="torch"), ids, mask, new=12)
+    packed, gathers = [], []
+    attend, unpacked = step.packed_attention, HeadLayout.unpacked
+    monkeypatch.setattr(step, "packed_attention", lambda *a, **k: packed.append(1) or attend(*a, **k))
+    monkeypatch.setattr(HeadLayout, "unpacked", lambda *a, **k: gathers.append(1) or unpacked(*a, **k))
+    assert torch.equal(_generate(llm, make_cache(llm, spec, budget=BUDGET, kernels="auto"), ids, mask, new=12), reference)
+    assert len(packed) >= 11 * llm.config.num_hidden_layers  # (every decode step after the shares)
+    reads_kv = spec.startswith("expected_attention")
+    assert (len(gathers) >= len(packed)) == reads_kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_attention_is_the_gathered_slots_attention(llama_gqa, dtype):
+    """The packed loops' output and observation equal the explicit attention over the slots gathered to the largest
+    head's width (the statement they stand for), for each row and head of a batch whose heads hold different
+    counts."""
+    from kvsieve.engine.slot_attention import (
+        AttentionArgs,
+        Visibility,
+        observed_attention,
+        observing,
+        packed_attention,
+    )
+    from kvsieve.engine.storage import PackedView
+
+    llm = llama_gqa.to(dtype)
+    try:
+        cache = make_cache(llm, "snapkv:heads=adakv,safeguard=0", budget=BUDGET, kernels="torch")
+        _generate(llm, cache, _prompts(), new=3)
+    finally:
+        llama_gqa.float()
+    store = cache.layers[1].store
+    assert bool((store.counts != store.counts[:1, :1]).any())
+    view = PackedView(store, cache.layers[1].newest)
+    torch.manual_seed(3)
+    query = torch.randn(2, 4, 1, store.head_dim, dtype=dtype)
+    query_pos = view.last[:, None] + 1
+    seen = []
+    out = packed_attention(query, view, query_pos, 0.125, observing(seen.append, view.pos, query_pos))[0]
+    keys, values = store.decoded()
+    args = AttentionArgs(scaling=0.125)
+    expected = observed_attention(query, keys, values, view.pos, query_pos, args, Visibility(), seen.append)[0]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-12, "rtol": 1e-12}
+    torch.testing.assert_close(out, expected, **tol)
+    ours, theirs = seen
+    torch.testing.assert_close(ours.probs, theirs.probs, **tol)
+    torch.testing.assert_close(ours.logits, theirs.logits, **tol)
+    assert torch.equal(ours.allowed, theirs.allowed)
