@@ -234,11 +234,18 @@ class SieveCache(Cache):
         self.memo.clear()
 
     def adopt_state(self, source: SieveCache) -> None:
-        """Take the policy state of ``source``: a cache of the same policy and parameters (any budget) that holds the
+        """Take the policy state of ``source``: a cache of the same policy and parameters (any budget), or of
+        policies that observe alike (:meth:`~kvsieve.policies.base.Policy.observes_as`, layer by layer), that holds the
         very tokens this one holds, both held (:meth:`hold`; e.g. filled by one shared prompt pass) — what its probes
         observed, without probing again."""
-        if not (self.holding and source.holding) or self.plan.layer_policies != source.plan.layer_policies:
-            raise ValueError("only held caches of the same policy and parameters can share their state")
+        alike = self.plan.layer_policies == source.plan.layer_policies or all(
+            mine.policy is not None
+            and mine.policy.observes_as() is not None
+            and mine.policy.observes_as() == theirs.policy.observes_as()
+            for mine, theirs in zip(self.layers, source.layers, strict=True)
+        )
+        if not (self.holding and source.holding and alike):
+            raise ValueError("only held caches of policies that observe alike can share their state")
         for mine, theirs in zip(self.layers, source.layers, strict=True):
             a, b = mine.store, theirs.store
             if a.used != b.used or not torch.equal(a.positions[:, :, : a.used], b.positions[:, :, : b.used]):

@@ -97,6 +97,12 @@ class KVzip(Policy):
     def keep_scores(self, slots: Slots) -> torch.Tensor:
         return slots.state["score"]
 
+    def observes_as(self) -> tuple[str, int, int] | None:
+        """The same probes observed by the same rule leave the same scores, whatever the selection that follows
+        (``kvzip`` and ``kvzip:heads=adakv`` of one ``chunk`` and ``overlap``): one probing serves them all."""
+        own = type(self).observe is KVzip.observe and type(self).probes is KVzip.probes
+        return ("kvzip", self.params.chunk, self.params.overlap) if own else None
+
     def shares_budget(self) -> bool:
         return self.params.layers == "shared"
 

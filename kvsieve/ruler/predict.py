@@ -20,7 +20,7 @@ RULER's per-task token limits (:data:`MAX_NEW_TOKENS`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -217,8 +217,8 @@ def prefill_together(
     an ``agnostic`` cache takes the context part) — or ``prompt_pass``, for the groups of settings of one prompt
     filled one after another — then the question part is fed to the ``agnostic`` caches as the rows of one batch.
     An ``agnostic`` cache whose policy is scored by probes (``kvzip``) is held through the pass, probed (``asking``:
-    see :func:`predict`; the caches of one policy spec probed once, the others adopting its state) and compressed
-    first; the probes' seconds count in its first token's."""
+    see :func:`predict`; the caches whose policies observe alike probed once, the others adopting its state) and
+    compressed first; the probes' seconds count in its first token's."""
     device, n = model.device, len(settings)
     ids = torch.tensor([[*head, *tail]], device=device)
     agnostic = [s.compresses_context for s in settings]
@@ -235,18 +235,20 @@ def prefill_together(
             token = prompt_pass.fill(model, ids, caches, ends)
         tokens = [token] * n
         first_s = [time.perf_counter() - start] * n
-        scored: dict[str, tuple[SieveCache, float]] = {}  # (policy spec → its probed cache, the probes' seconds)
+        scored: dict[Hashable, tuple[SieveCache, float]] = {}  # (how it observes → its probed cache, the seconds)
         for i in probed:
             spec = settings[i].policy
-            if spec in scored:
-                caches[i].adopt_state(scored[spec][0])
+            like = tuple(layer.policy.observes_as() for layer in caches[i].layers)
+            key = spec if None in like else like
+            if key in scored:
+                caches[i].adopt_state(scored[key][0])
             else:
                 began = time.perf_counter()
                 if asking is None:
                     raise ValueError(f"{spec} asks the model about the context: give prefill_together an asking")
                 probe_context(model, caches[i], ids[:, : len(head)], asking)
-                scored[spec] = caches[i], time.perf_counter() - began
-            first_s[i] += scored[spec][1]
+                scored[key] = caches[i], time.perf_counter() - began
+            first_s[i] += scored[key][1]
         for i in probed:
             caches[i].compress()
         asking = [i for i in range(n) if agnostic[i]]

@@ -355,7 +355,9 @@ def test_decode_steps_read_packed_slots_where_they_lie(tiny_models, monkeypatch,
     attend, unpacked = step.packed_attention, HeadLayout.unpacked
     monkeypatch.setattr(step, "packed_attention", lambda *a, **k: packed.append(1) or attend(*a, **k))
     monkeypatch.setattr(HeadLayout, "unpacked", lambda *a, **k: gathers.append(1) or unpacked(*a, **k))
-    assert torch.equal(_generate(llm, make_cache(llm, spec, budget=BUDGET, kernels="auto"), ids, mask, new=12), reference)
+    assert torch.equal(
+        _generate(llm, make_cache(llm, spec, budget=BUDGET, kernels="auto"), ids, mask, new=12), reference
+    )
     assert len(packed) >= 11 * llm.config.num_hidden_layers  # (every decode step after the shares)
     reads_kv = spec.startswith("expected_attention")
     assert (len(gathers) >= len(packed)) == reads_kv

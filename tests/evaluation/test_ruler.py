@@ -628,10 +628,14 @@ def test_settings_answered_together_as_alone(tiny64, prompt_ids, sources, monkey
     model, tok = tiny64
     head, tail = prompt_ids
     policies = ["full", "h2o", "tova", "snapkv", "scissorhands", "ahakv", "streaming_llm", "knorm", "topk_oracle"]
-    policies += ["kvzip", "kvzip:chunk=64", "keydiff", "expected_attention"]  # (kvzip: probed once per spec)
+    policies += ["kvzip", "kvzip:chunk=64", "kvzip:heads=adakv", "keydiff", "expected_attention"]
     shared = grid_settings(policies, [0.25, 0.9], ["agnostic", "aware"])
     assert Setting("aware", "topk_oracle", 0.9) in shared
+    probings = []
+    probe = ruler_predict.probe_context
+    monkeypatch.setattr(ruler_predict, "probe_context", lambda *a: probings.append(1) or probe(*a))
     got = predict_together(model, tok, head, tail, shared, 6)
+    assert len(probings) == 2  # (once per way of observing the probes: kvzip:heads=adakv adopts kvzip's state)
     for setting, (text, n, first, total_s) in zip(shared, got, strict=True):
         assert (text, n) == predict(model, tok, head, tail, setting, 6)[:2], setting.key
         assert 0 < first <= total_s

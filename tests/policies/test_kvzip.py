@@ -11,6 +11,7 @@ from conftest import ASKING
 from transformers import DynamicCache
 
 import kvsieve
+from kvsieve.api import probe_context
 from kvsieve.policies.kvzip import KVzip, KVzipParams
 
 
@@ -173,3 +174,26 @@ def test_kvzip_is_refused_where_no_probe_can_run(llama_gqa, make_ids) -> None:
     assert quantized.get_seq_length() == 0 and not quantized.holding
     with pytest.raises(ValueError, match="overlap"):
         kvsieve.make_cache(llama_gqa, "kvzip:chunk=4,overlap=5", 8).resolve(12)
+
+
+def test_one_probing_serves_the_selections_that_follow(llama_gqa, make_ids) -> None:
+    """``kvzip`` and ``kvzip:heads=adakv`` observe the probes alike: a held cache of one adopts the other's probed
+    state and keeps what probing it itself keeps; policies that observe otherwise cannot share it."""
+    ids = make_ids(1, 40)
+    probed = kvsieve.make_cache(llama_gqa, "kvzip", 10, decode_budget=None)
+    kvsieve.compress_context(llama_gqa, alone := kvsieve.make_cache(llama_gqa, "kvzip:heads=adakv", 10), ids, ASKING)
+    adopting = kvsieve.make_cache(llama_gqa, "kvzip:heads=adakv", 10)
+    other = kvsieve.make_cache(llama_gqa, "kvzip:chunk=16", 10)
+    for cache in (probed, adopting, other):
+        cache.hold()
+        with torch.inference_mode():
+            llama_gqa(input_ids=ids, cache=cache, use_cache=True)
+    probe_context(llama_gqa, probed, ids, ASKING)
+    with torch.inference_mode():
+        adopting.adopt_state(probed)
+        with pytest.raises(ValueError, match="observe alike"):
+            other.adopt_state(probed)
+        adopting.compress()
+    for mine, theirs in zip(adopting.layers, alone.layers, strict=True):
+        assert torch.equal(mine.store.counts, theirs.store.counts)
+        assert torch.equal(mine.held_positions(), theirs.held_positions())
