@@ -136,25 +136,24 @@ def _attend(
     closed_form: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The chunk's attention over the slots in use, observed by the policy where it asks: the output, the
-    probabilities (with ``args.weights``) and the victim per (row, head) when a compiled decode step chose it."""
+    probabilities (with ``args.weights``) and the victim per (row, head) when a compiled decode step chose it. A
+    decode step of real tokens takes :func:`_attend_decode`; any other step the general path below (a quantized
+    residual read exactly, position rolling, the stream protocol's closed form, narrowing, the rows before those
+    the policy observes attended by the fused kernel)."""
     store, policy = layer.store, layer.policy
     q = chunk.keys.shape[2]
     if policy.needs_queries and (layer.limit is not None or layer.probing):
         observe_queries(layer, slots, chunk.query, query_pos, args.scaling)
-    plain = chunk.padding is None and not (args.window or args.explicit or chunk.query.requires_grad)
-    if isinstance(slots, PackedView) and plain:  # (a decode step over packed slots: see store_chunk)
-        out, victim = _attend_packed(layer, chunk.query, slots, query_pos, args)
+    if q == 1 and _decodes(layer, chunk, args):
+        out, victim = _attend_decode(layer, chunk.query, slots, query_pos, start, args)
         return out, None, victim
     keys, values, query, exact = slots.keys, slots.values, chunk.query, None
     if q > 1 and store.step is not None and store.step.exact is not None:
         # Quantized slots with a residual: each query reads its own recent tokens exactly (quant.recent).
         keys, values = store.step.keys, store.step.values
         exact = Exact(store.step.exact_keys, store.step.exact_values, store.codec.residual)
-    if layer.rotary is not None:  # keys are stored un-rotated; re-rotated by rank (position rolling)
-        rank = ranks(slots.pos)
-        query_rank = rank[:, :, start : start + q].repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
-        query = layer.rotary.rotate(query, query_rank - query_pos[:, None, :])  # (queries by their own slots' rank)
-        keys = layer.rotary.rotate(keys, rank)
+    if layer.rotary is not None:
+        query, keys, rank = _rolled(layer, query, keys, slots.pos, query_pos, start)
         if exact is not None:
             exact = Exact(layer.rotary.rotate(exact.keys, rank), exact.values, exact.residual)
     seen = Visibility(
@@ -163,18 +162,6 @@ def _attend(
         causal_tail=not policy.reads_kv,  # (the chunk's tokens are the last q slots, in order)
     )
     observes = layer.observes
-    if (
-        observes
-        and seen.all_visible
-        and not (args.explicit or exact)
-        and layer.kernels
-        and decodes_by_rule(policy.compiled_rule, keys.device)
-    ):
-        decided = _decide_by_rule(
-            layer, slots, query, lambda decide: decided_attention(query, keys, values, args.scaling, decide)
-        )
-        if decided is not None:
-            return decided[0], None, decided[1]
     narrows = policy.narrows and keys.shape[2] > q  # (it narrows the slots of earlier steps: are there any?)
     if not (observes or narrows or args.explicit or exact is not None):
         return fused_attention(query, keys, values, slots.pos, query_pos, args, seen), None, None
@@ -196,6 +183,61 @@ def _attend(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2), weights, None
 
 
+def _rolled(
+    layer: SieveLayer, query: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor, start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Position rolling: the keys (stored un-rotated) rotated by their slots' rank among the held positions ``pos``,
+    the step's queries (their tokens from slot ``start`` on) by their own slots' rank; and the ranks."""
+    rank = ranks(pos)
+    q = query.shape[2]
+    query_rank = rank[:, :, start : start + q].repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+    query = layer.rotary.rotate(query, query_rank - query_pos[:, None, :])
+    return query, layer.rotary.rotate(keys, rank), rank
+
+
+def _decodes(layer: SieveLayer, chunk: Chunk, args: AttentionArgs) -> bool:
+    """Whether a step of one token per row takes :func:`_attend_decode`: every row's token real, and nothing that
+    only the general path does (a window, soft-capping, sinks, probabilities returned, autograd, a narrowing
+    policy)."""
+    explicit = args.window is not None or args.explicit or chunk.query.requires_grad
+    return chunk.padding is None and not explicit and not layer.policy.narrows
+
+
+def _attend_decode(
+    layer: SieveLayer, query: torch.Tensor, slots: Slots, query_pos: torch.Tensor, start: int, args: AttentionArgs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step's attention (:func:`_decodes`): the output and the victim per (row, head) when the policy's
+    compiled rule chose it. Packed slots (budgets by head) are read where they lie (:func:`packed_attention`). The
+    policy observes by its compiled rule where it states one and every slot is a token (:func:`_decide_by_rule`),
+    else by its torch code; a step nothing observes runs the fused kernel (dense slots) or a plain softmax."""
+    policy, store = layer.policy, layer.store
+    observes = layer.observes and policy.observed_rows() != 0
+    ruled = observes and layer.kernels and decodes_by_rule(policy.compiled_rule, query.device)
+    observe = (lambda obs: policy.observe(slots, obs)) if observes else None
+    if isinstance(slots, PackedView):  # (holes masked by their positions)
+
+        def packed(decide: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]):
+            return packed_attention(query, slots, query_pos, args.scaling, lambda logits, _: decide(logits[:, :, :, 0]))
+
+        decided = _decide_by_rule(layer, slots, query, packed) if ruled else None
+        if decided is not None:
+            return decided
+        return packed_attention(query, slots, query_pos, args.scaling, observing(observe, slots.pos, query_pos))
+    keys, values = slots.keys, slots.values
+    if layer.rotary is not None:
+        query, keys, _ = _rolled(layer, query, keys, slots.pos, query_pos, start)
+    seen = Visibility(all_visible=not store.may_hold_padding)
+    if ruled and seen.all_visible:
+        decided = _decide_by_rule(
+            layer, slots, query, lambda decide: decided_attention(query, keys, values, args.scaling, decide)
+        )
+        if decided is not None:
+            return decided
+    if observe is None:
+        return fused_attention(query, keys, values, slots.pos, query_pos, args, seen), None
+    return observed_attention(query, keys, values, slots.pos, query_pos, args, seen, observe, step_rows=1)[0], None
+
+
 def observe_queries(
     layer: SieveLayer, slots: Slots, query: torch.Tensor, query_pos: torch.Tensor, scaling: float
 ) -> None:
@@ -205,26 +247,6 @@ def observe_queries(
     heads = slots.pos.shape[1]
     grouped = (query * scaling).view(bsz, heads, n_q // heads, q, dim)
     layer.policy.observe_queries(slots, grouped, query_pos, layer.rope)
-
-
-def _attend_packed(
-    layer: SieveLayer, query: torch.Tensor, slots: PackedView, query_pos: torch.Tensor, args: AttentionArgs
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decode step over packed slots read where they lie (:func:`packed_attention`), observed by the policy's
-    rule in one compiled call where it states one (:func:`_decide_by_rule`), else by its torch code: the output and
-    the victim per (row, head) when the rule chose it."""
-    policy = layer.policy
-    observes = layer.observes and policy.observed_rows() != 0
-
-    def attend(decide: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]):
-        return packed_attention(query, slots, query_pos, args.scaling, lambda logits, _: decide(logits[:, :, :, 0]))
-
-    if observes and decodes_by_rule(policy.compiled_rule, query.device):
-        decided = _decide_by_rule(layer, slots, query, attend)
-        if decided is not None:
-            return decided
-    observe = (lambda obs: policy.observe(slots, obs)) if observes else None
-    return packed_attention(query, slots, query_pos, args.scaling, observing(observe, slots.pos, query_pos))
 
 
 def _decide_by_rule(
