@@ -17,7 +17,7 @@ import torch
 from kvsieve.engine.compiled import compiled_victims
 from kvsieve.engine.storage import GROWTH, expand_index
 from kvsieve.policies import Slots
-from kvsieve.policies.base import best_of, demote, extreme
+from kvsieve.policies.base import best_of, demote, protect
 
 if TYPE_CHECKING:
     from kvsieve.engine.layer import SieveLayer
@@ -84,11 +84,7 @@ def _evict_heads(layer: SieveLayer, slots: Slots, lowest: torch.Tensor | None = 
     if store.layout is not None:
         free = held < store.layout.caps
         if bool((~over.any()) & ((excess == 1) | ((excess <= 0) & free)).all()):  # (one read on the host)
-            if lowest is None:
-                scores = policy.keep_scores(slots)
-                lowest = torch.where(real, scores, extreme(scores.dtype, scores.device, highest=True)).argmin(-1)
-            else:
-                lowest = lowest[..., 0].to(real.device)
+            lowest = (victim_slots(layer, slots, holes=True) if lowest is None else lowest)[..., 0].to(real.device)
             own = torch.arange(store.used, device=real.device) < store.layout.caps[..., None]
             first_free = (real | ~own).to(torch.uint8).argmin(dim=-1)
             store.drop(torch.where(excess == 1, lowest, first_free)[..., None], leave_stale=True)
@@ -116,14 +112,27 @@ def keep_scores(layer: SieveLayer, slots: Slots) -> torch.Tensor:
     return demote(scores, slots.pos < 0) if layer.store.may_hold_padding else scores
 
 
+def victim_slots(layer: SieveLayer, slots: Slots, holes: bool = False) -> torch.Tensor:
+    """Each (row, head)'s one victim ``[B, H, 1]`` by the policy's priorities, the slot ``argmin`` picks: an empty
+    slot first (padding goes before tokens), or, ``holes`` (a head's free slots where heads keep their own counts),
+    never. In one compiled call where the policy's rule has one (:func:`compiled_victims`), else by its torch code."""
+    padded = layer.store.may_hold_padding and not holes
+    if layer.kernels:
+        out = victims_buffer(layer, slots.pos) if layer.plan.groups[layer.layer_idx] is None else None
+        victims = compiled_victims(layer.policy.compiled_rule, slots, padded, out)
+        if victims is not None:
+            return victims
+    scores = layer.policy.keep_scores(slots)
+    if holes or padded:
+        scores = (protect if holes else demote)(scores, slots.pos < 0)
+    return scores.argmin(dim=-1, keepdim=True)
+
+
 def _choose(layer: SieveLayer, slots: Slots, target: int) -> torch.Tensor:
     """By the policy's priorities: the victim slot ``[B, H, 1]`` when one slot goes, else the ``target`` slots kept
     ``[B, H, target]``, in slot order."""
     if layer.store.used - target == 1:
-        out = victims_buffer(layer, slots.pos) if layer.plan.groups[layer.layer_idx] is None else None
-        padded = layer.store.may_hold_padding
-        victims = compiled_victims(layer.policy.compiled_rule, slots, padded, out) if layer.kernels else None
-        return keep_scores(layer, slots).argmin(dim=-1, keepdim=True) if victims is None else victims
+        return victim_slots(layer, slots)
     scores = keep_scores(layer, slots)
     return scores.topk(target, dim=-1, sorted=False).indices.sort(dim=-1).values
 

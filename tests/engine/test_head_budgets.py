@@ -400,3 +400,24 @@ def test_packed_attention_is_the_gathered_slots_attention(llama_gqa, dtype):
     torch.testing.assert_close(ours.probs, theirs.probs, **tol)
     torch.testing.assert_close(ours.logits, theirs.logits, **tol)
     assert torch.equal(ours.allowed, theirs.allowed)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:heads=adakv", "h2o+strided:heads=adakv"])
+def test_compiled_victims_over_holes_are_the_policys(tiny_models, monkeypatch, spec):
+    """Where a decode step reads gathered slots (bf16: no packed loops) its victims come from the compiled loops,
+    which never take a head's free slot: the tokens and the slots each head holds are those of the torch code."""
+    from kvsieve.engine import eviction
+
+    llm = tiny_models("llama_gqa", torch.bfloat16)
+    ids = _prompts()
+    held, compiled = {}, []
+    victims = eviction.compiled_victims
+    monkeypatch.setattr(eviction, "compiled_victims", lambda *a: compiled.append(victims(*a)) or compiled[-1])
+    for kernels in ("torch", "auto"):
+        cache = make_cache(llm, spec, budget=BUDGET, kernels=kernels)
+        held[kernels] = _generate(llm, cache, ids, new=12), [_held(layer.store) for layer in cache.layers]
+        assert cache.layers[0].store.layout is not None
+    assert torch.equal(held["torch"][0], held["auto"][0])
+    assert sum(v is not None for v in compiled) >= 10 * llm.config.num_hidden_layers
+    for a, b in zip(held["torch"][1], held["auto"][1], strict=True):
+        assert torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values)
