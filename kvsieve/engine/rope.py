@@ -62,12 +62,16 @@ class Rotary:
         freqs = angle_pos.to(torch.float32)[..., None] * self.inv_freq.to(x.device)
         return _turned(x, freqs.cos(), freqs.sin())
 
-    def averaged(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def averaged(self, x: torch.Tensor, first: torch.Tensor, count: int) -> torch.Tensor:
         """``x`` ``[B, ..., D]`` (its last dimension a vector, each row ``b`` its own) times the mean of the rotations
-        at ``positions`` ``[B, F]``: the rotation's form with the means of their cosines and sines."""
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(x.device)  # [B, F, D/2]
+        at the ``count`` positions ``first[b], first[b] + 1, …``: the rotation's form with the means of their cosines
+        and sines, in closed form (a sum over an arithmetic progression of angles ``p·ω``: the mean of ``cos`` is
+        ``sin(count·ω/2) / (count·sin(ω/2)) · cos((first + (count - 1)/2)·ω)``, of ``sin`` the same with ``sin``)."""
+        freq = self.inv_freq.to(x.device)
+        centre = (first.to(torch.float32)[:, None] + (count - 1) / 2) * freq  # [B, D/2]
+        spread = torch.sin(count * freq / 2) / (count * torch.sin(freq / 2))  # (ω ≤ 1 in RoPE: sin(ω/2) > 0)
         shape = (x.shape[0], *([1] * (x.dim() - 2)), -1)
-        return _turned(x, freqs.cos().mean(1).view(shape), freqs.sin().mean(1).view(shape))
+        return _turned(x, (spread * centre.cos()).view(shape), (spread * centre.sin()).view(shape))
 
 
 def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -78,15 +78,15 @@ class ExpectedAttention(Policy):
         count = weight.sum(dim=2).clamp(min=1)  # [B, 1, 1]
         mean = (plain * weight).sum(dim=2) / count  # [B, Hq, D]
         # R̄: the rotation averaged over the next `future` positions
-        ahead = slots.last[:, None] + 1 + torch.arange(p.future, device=queries.device)  # [B, F]
+        ahead = slots.last + 1  # (the first of the `future` positions)
         keys = slots.keys.float()  # [B, H, N, D]: each KV head's keys, for its group's query heads
-        expected_query = rope.averaged(mean, ahead).view(bsz, heads, group, dim)
+        expected_query = rope.averaged(mean, ahead, p.future).view(bsz, heads, group, dim)
         logits = torch.einsum("bhnd,bhgd->bhgn", keys, expected_query)  # (k · R̄μ)
         if p.covariance and q > 1:  # (one query has no covariance: the term is 0)
             centered = (plain - mean[:, :, None]) * weight
             cov = torch.einsum("bhnd,bhne->bhde", centered, centered) / count[..., None]
             # R̄ Σ R̄ᵀ: `averaged` turns each row (M ↦ M R̄ᵀ), so twice with a transpose between (Σ is symmetric)
-            rotated = rope.averaged(rope.averaged(cov, ahead).transpose(-1, -2), ahead)
+            rotated = rope.averaged(rope.averaged(cov, ahead, p.future).transpose(-1, -2), ahead, p.future)
             spread = keys[:, :, None] @ rotated.view(bsz, heads, group, dim, dim)  # [B, H, G, N, D]
             logits = logits + 0.5 * (spread * keys[:, :, None]).sum(dim=-1)
         logits = logits.masked_fill((slots.pos < 0)[:, :, None], float("-inf"))

@@ -37,6 +37,23 @@ def test_rotation_inverts_and_composes():
     assert torch.allclose(rot.rotate(rot.rotate(x, p), p + 3), rot.rotate(x, 2 * p + 3), atol=1e-5)
 
 
+@pytest.mark.parametrize("first", [0, 4_000, 32_000])
+def test_averaged_rotation_is_the_mean_of_the_rotations(first):
+    """The closed form of the rotation averaged over ``count`` consecutive positions equals the mean of the
+    rotations at each of them (computed in float64), for the head sizes and bases of real models."""
+    for dim, base in ((64, 10_000.0), (128, 1_000_000.0)):
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).double() / dim))
+        x = torch.randn(2, 3, dim, dtype=torch.float64)
+        starts = torch.tensor([first, first + 17])
+        got = Rotary(inv_freq.float()).averaged(x.float(), starts, 512).double()
+        for b, start in enumerate(starts.tolist()):
+            angles = (start + torch.arange(512, dtype=torch.float64))[:, None] * inv_freq
+            cos, sin = (torch.cat([f(angles).mean(0)] * 2) for f in (torch.cos, torch.sin))
+            half = dim // 2
+            turned = torch.cat([-x[b, :, half:], x[b, :, :half]], dim=-1)
+            torch.testing.assert_close(got[b], x[b] * cos + turned * sin, atol=1e-4, rtol=0)
+
+
 @torch.no_grad()
 def test_rolling_without_eviction_changes_nothing():
     model = _model(2)
