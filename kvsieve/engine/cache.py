@@ -7,7 +7,7 @@ next decode token). ``get_seq_length()`` is the number of tokens seen, so RoPE p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -233,16 +233,21 @@ class SieveCache(Cache):
             layer.compress_held()
         self.memo.clear()
 
+    def observes_as(self) -> tuple[Hashable, ...] | None:
+        """What the layers' policies observe, layer by layer (:meth:`~kvsieve.policies.base.Policy.observes_as`), or
+        None where a layer's policy observes like no other (or it has none yet): two caches of equal values, holding
+        the same tokens, are left in the same state by the same passes."""
+        like = tuple(None if layer.policy is None else layer.policy.observes_as() for layer in self.layers)
+        return None if None in like else like
+
     def adopt_state(self, source: SieveCache) -> None:
         """Take the policy state of ``source``: a cache of the same policy and parameters (any budget), or of
         policies that observe alike (:meth:`~kvsieve.policies.base.Policy.observes_as`, layer by layer), that holds the
         very tokens this one holds, both held (:meth:`hold`; e.g. filled by one shared prompt pass) — what its probes
         observed, without probing again."""
-        alike = self.plan.layer_policies == source.plan.layer_policies or all(
-            mine.policy is not None
-            and mine.policy.observes_as() is not None
-            and mine.policy.observes_as() == theirs.policy.observes_as()
-            for mine, theirs in zip(self.layers, source.layers, strict=True)
+        like = self.observes_as()
+        alike = self.plan.layer_policies == source.plan.layer_policies or (
+            like is not None and like == source.observes_as()
         )
         if not (self.holding and source.holding and alike):
             raise ValueError("only held caches of policies that observe alike can share their state")

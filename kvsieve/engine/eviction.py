@@ -116,15 +116,13 @@ def victim_slots(layer: SieveLayer, slots: Slots, holes: bool = False) -> torch.
     """Each (row, head)'s one victim ``[B, H, 1]`` by the policy's priorities, the slot ``argmin`` picks: an empty
     slot first (padding goes before tokens), or, ``holes`` (a head's free slots where heads keep their own counts),
     never. In one compiled call where the policy's rule has one (:func:`compiled_victims`), else by its torch code."""
-    padded = layer.store.may_hold_padding and not holes
     if layer.kernels:
         out = victims_buffer(layer, slots.pos) if layer.plan.groups[layer.layer_idx] is None else None
+        padded = layer.store.may_hold_padding and not holes
         victims = compiled_victims(layer.policy.compiled_rule, slots, padded, out)
         if victims is not None:
             return victims
-    scores = layer.policy.keep_scores(slots)
-    if holes or padded:
-        scores = (protect if holes else demote)(scores, slots.pos < 0)
+    scores = protect(layer.policy.keep_scores(slots), slots.pos < 0) if holes else keep_scores(layer, slots)
     return scores.argmin(dim=-1, keepdim=True)
 
 

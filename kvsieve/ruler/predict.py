@@ -238,8 +238,8 @@ def prefill_together(
         scored: dict[Hashable, tuple[SieveCache, float]] = {}  # (how it observes → its probed cache, the seconds)
         for i in probed:
             spec = settings[i].policy
-            like = tuple(layer.policy.observes_as() for layer in caches[i].layers)
-            key = spec if None in like else like
+            like = caches[i].observes_as()
+            key = spec if like is None else like
             if key in scored:
                 caches[i].adopt_state(scored[key][0])
             else:
